@@ -1,0 +1,148 @@
+"""`search-r1` command line: serve, index build, corpus convert, retrieve.
+
+Flags keep the original launcher's underscore spelling (`--index_path`); the dashed spelling
+(`--index-path`) is accepted as well.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from dataclasses import fields
+
+
+def _add(p: argparse.ArgumentParser, name: str, **kw):
+    flags = [f"--{name}"] + ([f"--{name.replace('_', '-')}"] if "_" in name else [])
+    p.add_argument(*flags, dest=name, **kw)
+
+
+def _serve_parser(sub):
+    from search_r1.retrieval.factory import RetrieverArgs
+    from search_r1.retrieval.server import ServerConfig
+
+    p = sub.add_parser("serve", help="run the retrieval server (POST /retrieve)")
+    d = RetrieverArgs()
+    _add(p, "retriever_name", default=d.retriever_name,
+         help="e5 | bge | any dense encoder name | bm25 | serpapi | google | brave | bing")
+    _add(p, "retriever_model", default=d.retriever_model, help="encoder: local dir or hub id")
+    _add(p, "index_path", help="dense: embeddings dir/.npy or a FAISS .index; bm25: index dir")
+    _add(p, "corpus_path", help="corpus JSONL (converted to .arrow on first use) or .arrow")
+    _add(p, "retriever_backend", default="auto", choices=["auto", "torch", "faiss"])
+    _add(p, "faiss_gpu", action="store_true", help="put a FAISS index on all GPUs")
+    _add(p, "devices", help="GPUs for the exact index, e.g. cuda:0,cuda:1 (default: all)")
+    _add(p, "dtype", choices=["float16", "bfloat16", "float32"])
+    _add(p, "ef_search", type=int)
+    _add(p, "nprobe", type=int)
+    _add(p, "query_max_length", type=int, default=d.query_max_length)
+    _add(p, "encode_batch_size", type=int, default=d.encode_batch_size)
+    _add(p, "reranker_model", help="cross-encoder to re-score first-stage candidates")
+    _add(p, "topk_retrieval", type=int, default=d.topk_retrieval)
+    _add(p, "web_cache_dir")
+    c = ServerConfig()
+    _add(p, "topk", type=int, default=c.topk, help="default top-k of a request")
+    _add(p, "host", default="127.0.0.1")
+    _add(p, "port", type=int, default=8000)
+    _add(p, "api_key", help="require `Authorization: Bearer KEY` (or set SEARCH_R1_API_KEY)")
+    _add(p, "max_batch", type=int, default=c.max_batch, help="queries per search call")
+    _add(p, "max_wait_ms", type=float, default=c.max_wait_ms)
+    _add(p, "max_pending", type=int, default=c.max_pending)
+    _add(p, "max_topk", type=int, default=c.max_topk)
+    _add(p, "max_queries_per_request", type=int, default=c.max_queries_per_request)
+    p.set_defaults(func=_serve)
+
+
+def _serve(args):
+    import os
+
+    from search_r1.retrieval.factory import RetrieverArgs, build_retriever
+    from search_r1.retrieval.server import ServerConfig, serve
+
+    r_args = RetrieverArgs(**{f.name: getattr(args, f.name) for f in fields(RetrieverArgs)})
+    cfg = ServerConfig(topk=args.topk, max_topk=args.max_topk,
+                       max_queries_per_request=args.max_queries_per_request,
+                       max_batch=args.max_batch, max_wait_ms=args.max_wait_ms,
+                       max_pending=args.max_pending,
+                       api_key=args.api_key or os.environ.get("SEARCH_R1_API_KEY"))
+    serve(build_retriever(r_args), cfg, args.host, args.port, name=args.retriever_name)
+
+
+def _index_parser(sub):
+    p = sub.add_parser("index", help="build retrieval indexes")
+    isub = p.add_subparsers(dest="index_cmd", required=True)
+    b = isub.add_parser("build", help="embed a corpus (dense) or index it with BM25")
+    _add(b, "type", default="dense", choices=["dense", "bm25"])
+    _add(b, "corpus_path", required=True)
+    _add(b, "out", required=True, help="output directory")
+    _add(b, "retriever_model", default="intfloat/e5-base-v2")
+    _add(b, "devices", help="e.g. cuda:0,cuda:1 (default: every GPU, else CPU)")
+    _add(b, "batch_size", type=int, default=256)
+    _add(b, "max_length", type=int, default=256)
+    _add(b, "faiss_type", help="also build a FAISS index, e.g. HNSW64 or IVF4096,PQ64")
+    b.set_defaults(func=_index_build)
+
+
+def _index_build(args):
+    from search_r1.retrieval import build
+
+    if args.type == "bm25":
+        out = build.build_bm25_index(args.corpus_path, args.out)
+    else:
+        out = build.build_dense(args.corpus_path, args.out, args.retriever_model,
+                                args.devices.split(",") if args.devices else None,
+                                args.batch_size, args.max_length, args.faiss_type)
+    print(f"index written to {out}")
+
+
+def _corpus_parser(sub):
+    p = sub.add_parser("corpus", help="corpus tools")
+    csub = p.add_subparsers(dest="corpus_cmd", required=True)
+    c = csub.add_parser("convert", help="JSONL corpus -> memory-mapped Arrow file")
+    c.add_argument("jsonl")
+    c.add_argument("--out")
+    c.set_defaults(func=_corpus_convert)
+
+
+def _corpus_convert(args):
+    from search_r1.retrieval.corpus import convert_jsonl
+
+    print(f"converted corpus written to {convert_jsonl(args.jsonl, args.out)}")
+
+
+def _retrieve_parser(sub):
+    p = sub.add_parser("retrieve", help="ask a running server (prints JSON)")
+    p.add_argument("queries", nargs="+")
+    _add(p, "url", default="http://127.0.0.1:8000/retrieve")
+    _add(p, "topk", type=int, default=3)
+    p.set_defaults(func=_retrieve)
+
+
+def _retrieve(args):
+    from search_r1.retrieval.client import RetrievalClient
+
+    with RetrievalClient(url=args.url) as client:
+        print(json.dumps(client.retrieve(args.queries, args.topk), indent=1, ensure_ascii=False))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="search-r1", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    for add in (_serve_parser, _index_parser, _corpus_parser, _retrieve_parser):
+        add(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    try:
+        args.func(args)
+    except (FileNotFoundError, ValueError, ImportError) as e:
+        # Start-up problems a user can fix: one line, no traceback.
+        print(f"search-r1 {args.cmd}: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

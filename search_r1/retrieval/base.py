@@ -1,0 +1,35 @@
+"""What every retriever returns, and the one method the server calls."""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+from search_r1.retrieval.corpus import Passage
+
+
+@dataclass
+class Hit:
+    passage: Passage
+    score: float
+
+    def to_api(self, with_score: bool = True) -> dict:
+        """One entry of the `/retrieve` answer (the published Search-R1 layout)."""
+        doc = {"id": self.passage.id, "contents": self.passage.contents}
+        return {"document": doc, "score": float(self.score)} if with_score else doc
+
+
+class Retriever(ABC):
+    """Maps a batch of queries to `topk` hits each, best first.
+
+    The server calls `search` from a single worker thread, so implementations need not be
+    thread-safe; they must return exactly one list per query, in order.
+    """
+
+    max_topk: int = 1000
+
+    @abstractmethod
+    def search(self, queries: list[str], topk: int) -> list[list[Hit]]:
+        ...
+
+    def close(self) -> None:
+        """Release files, GPU memory and network sessions."""

@@ -1,0 +1,143 @@
+"""Client for the `/retrieve` API, used by the rollout: sync and async, pooled, retried.
+
+Connection errors, timeouts, 5xx and 429/503 are retried with exponential backoff and full
+jitter (a server's Retry-After is honoured as a lower bound); 4xx answers are the caller's
+fault and raise at once. After the last attempt a `RetrievalError` says what failed and where.
+Large batches are split into requests of at most `max_queries_per_request`.
+"""
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from dataclasses import dataclass
+
+import httpx
+
+RETRY_STATUS = {429, 500, 502, 503, 504}
+
+
+class RetrievalError(RuntimeError):
+    pass
+
+
+@dataclass
+class RetrieverConfig:
+    url: str = "http://127.0.0.1:8000/retrieve"
+    topk: int = 3
+    timeout_s: float = 30.0
+    retries: int = 5               # attempts after the first
+    backoff_s: float = 0.2         # first backoff; doubles each attempt
+    max_backoff_s: float = 5.0
+    max_queries_per_request: int = 512
+    api_key: str | None = None
+
+
+def _delay(cfg: RetrieverConfig, attempt: int, response: httpx.Response | None) -> float:
+    delay = random.uniform(0, min(cfg.max_backoff_s, cfg.backoff_s * 2 ** attempt))
+    if response is not None and (ra := response.headers.get("retry-after")):
+        try:
+            delay = max(delay, min(float(ra), cfg.max_backoff_s))
+        except ValueError:
+            pass
+    return delay
+
+
+def _parse(response: httpx.Response, n_queries: int) -> list[list[dict]]:
+    result = response.json()["result"]
+    if len(result) != n_queries:
+        raise RetrievalError(f"server answered {len(result)} lists for {n_queries} queries")
+    return result
+
+
+def _error(cfg, attempts, last) -> RetrievalError:
+    what = (f"HTTP {last.status_code}: {last.text[:200]}" if isinstance(last, httpx.Response)
+            else f"{type(last).__name__}: {last}")
+    return RetrievalError(f"retrieval at {cfg.url} failed after {attempts} attempts ({what}); "
+                          "is the retrieval server running (`search-r1 serve`)?")
+
+
+class RetrievalClient:
+    """Blocking client; one pooled connection set per instance."""
+
+    def __init__(self, cfg: RetrieverConfig | None = None, **overrides):
+        self.cfg = cfg or RetrieverConfig(**overrides)
+        headers = {"Authorization": f"Bearer {self.cfg.api_key}"} if self.cfg.api_key else {}
+        self.http = httpx.Client(timeout=self.cfg.timeout_s, headers=headers,
+                                 limits=httpx.Limits(max_connections=64, max_keepalive_connections=64))
+
+    def retrieve(self, queries: list[str], topk: int | None = None,
+                 return_scores: bool = True) -> list[list[dict]]:
+        step = self.cfg.max_queries_per_request
+        out = []
+        for lo in range(0, len(queries), step):
+            out += self._post(queries[lo:lo + step], topk or self.cfg.topk, return_scores)
+        return out
+
+    def _post(self, queries, topk, return_scores):
+        body = {"queries": queries, "topk": topk, "return_scores": return_scores}
+        last = None
+        for attempt in range(self.cfg.retries + 1):
+            try:
+                r = self.http.post(self.cfg.url, json=body)
+                if r.status_code == 200:
+                    return _parse(r, len(queries))
+                if r.status_code not in RETRY_STATUS:
+                    raise RetrievalError(f"retrieval at {self.cfg.url} refused the request: "
+                                         f"HTTP {r.status_code}: {r.text[:300]}")
+                last = r
+            except httpx.TransportError as e:
+                last = e
+            if attempt < self.cfg.retries:
+                time.sleep(_delay(self.cfg, attempt, last if isinstance(last, httpx.Response) else None))
+        raise _error(self.cfg, self.cfg.retries + 1, last)
+
+    def health(self) -> dict:
+        return self.http.get(self.cfg.url.rsplit("/", 1)[0] + "/health").json()
+
+    def close(self):
+        self.http.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class AsyncRetrievalClient:
+    """The same client for asyncio code (the asynchronous rollout schedule)."""
+
+    def __init__(self, cfg: RetrieverConfig | None = None, **overrides):
+        self.cfg = cfg or RetrieverConfig(**overrides)
+        headers = {"Authorization": f"Bearer {self.cfg.api_key}"} if self.cfg.api_key else {}
+        self.http = httpx.AsyncClient(timeout=self.cfg.timeout_s, headers=headers,
+                                      limits=httpx.Limits(max_connections=256, max_keepalive_connections=256))
+
+    async def retrieve(self, queries: list[str], topk: int | None = None,
+                       return_scores: bool = True) -> list[list[dict]]:
+        step = self.cfg.max_queries_per_request
+        parts = await asyncio.gather(*[self._post(queries[lo:lo + step], topk or self.cfg.topk, return_scores)
+                                       for lo in range(0, len(queries), step)])
+        return [hits for part in parts for hits in part]
+
+    async def _post(self, queries, topk, return_scores):
+        body = {"queries": queries, "topk": topk, "return_scores": return_scores}
+        last = None
+        for attempt in range(self.cfg.retries + 1):
+            try:
+                r = await self.http.post(self.cfg.url, json=body)
+                if r.status_code == 200:
+                    return _parse(r, len(queries))
+                if r.status_code not in RETRY_STATUS:
+                    raise RetrievalError(f"retrieval at {self.cfg.url} refused the request: "
+                                         f"HTTP {r.status_code}: {r.text[:300]}")
+                last = r
+            except httpx.TransportError as e:
+                last = e
+            if attempt < self.cfg.retries:
+                await asyncio.sleep(_delay(self.cfg, attempt, last if isinstance(last, httpx.Response) else None))
+        raise _error(self.cfg, self.cfg.retries + 1, last)
+
+    async def aclose(self):
+        await self.http.aclose()

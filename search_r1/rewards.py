@@ -1,0 +1,346 @@
+"""Outcome rewards for search-augmented QA: answer extraction, normalisation, metrics, format check.
+
+Everything here is a pure function of strings, so the trainer, `infer.py` and the evaluation
+scripts score trajectories identically, and every rule can be tested on CPU.
+
+Callers pass the model's *response* (generated tokens plus the `<information>` observations the
+agent inserted), never the prompt: the Search-R1 prompt contains an example `<answer>` that would
+otherwise be taken for the model's answer.
+
+Rules chosen here, where the paper leaves room:
+- `extract_answer` takes the last *innermost* `<answer>…</answer>` pair and ignores text inside
+  `<information>` blocks, so a retrieved passage can never be scored as the model's answer.
+- `normalize_answer` is SQuAD's normalisation (casefold, drop punctuation and the articles a/an/the,
+  collapse whitespace) extended to Unicode: Latin-script accents are dropped ("São Paulo" matches
+  "Sao Paulo"), compatibility forms are folded (full-width letters, ligatures) and punctuation of
+  every script is removed. Marks of other scripts (kana voicing, Indic vowel signs) are kept, as
+  dropping them would change the word.
+- `substring_match` and the retrieval hit match whole normalised tokens ("1" is not found in
+  "1990"), a deliberate deviation from a raw character substring test.
+- `compute_score` defaults to plain exact match, which is the paper's outcome-only reward; the
+  optional format, structure and retrieval terms are described in its docstring.
+"""
+from __future__ import annotations
+
+import logging
+import re
+import string
+import unicodedata
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+# ---------------------------------------------------------------------------------------------
+# Answer extraction
+
+# A pair with no other answer tag inside it, so nested or unbalanced tags resolve to the innermost
+# pair: "<answer>a <answer>b</answer>" -> "b", "<answer>a</answer> <answer>b" -> "a".
+_ANSWER = re.compile(r"<answer>((?:(?!</?answer>).)*)</answer>", re.DOTALL)
+_INFORMATION = re.compile(r"<information>(.*?)</information>", re.DOTALL)
+
+
+def extract_answer(response: str) -> str | None:
+    """The stripped content of the last complete `<answer>…</answer>` in `response`, else None.
+
+    Pass the response only (never prompt + response): the prompt's example answer must not count.
+    An empty pair gives "" (an answer that is simply wrong), not None.
+    """
+    matches = _ANSWER.findall(_INFORMATION.sub(" ", response))
+    return matches[-1].strip() if matches else None
+
+
+# ---------------------------------------------------------------------------------------------
+# Normalisation and metrics
+
+_LATIN_ACCENTS = re.compile("[\u0300-\u036f]")   # the combining diacritical marks block
+_ARTICLES = re.compile(r"\b(?:a|an|the)\b")
+# SQuAD strips ASCII symbols such as $ + < = > ^ ` | ~ too, which are not Unicode punctuation.
+_ASCII_PUNCTUATION = frozenset(string.punctuation)
+
+
+def _is_punctuation(ch: str) -> bool:
+    return ch in _ASCII_PUNCTUATION or unicodedata.category(ch).startswith("P")
+
+
+def normalize_answer(s: str) -> str:
+    """SQuAD-style normalisation, Unicode-aware (see the module docstring)."""
+    s = unicodedata.normalize("NFKD", s.casefold())
+    # Recompose after dropping the accents so that marks we keep (e.g. kana voicing) rejoin.
+    s = unicodedata.normalize("NFC", _LATIN_ACCENTS.sub("", s))
+    s = "".join(ch for ch in s if not _is_punctuation(ch))
+    s = _ARTICLES.sub(" ", s)
+    return " ".join(s.split())
+
+
+# Or a numpy array of str; see gold_answers.
+GroundTruth = str | Sequence[str] | Mapping[str, Any]
+
+
+def gold_answers(ground_truth: GroundTruth) -> list[str]:
+    """The gold answers as a list of str.
+
+    Accepts a str, a list or tuple of str, a dict with a "target" key (the parquet
+    `reward_model.ground_truth` layout) and numpy arrays of str, which is what parquet readers
+    return for list columns.
+    """
+    if isinstance(ground_truth, Mapping):
+        if "target" not in ground_truth:
+            raise KeyError(f"ground truth dict has no 'target' key (keys: {sorted(ground_truth)})")
+        ground_truth = ground_truth["target"]
+    if hasattr(ground_truth, "tolist") and not isinstance(ground_truth, str):
+        ground_truth = ground_truth.tolist()   # numpy array (a 0-d array gives a scalar)
+    if isinstance(ground_truth, str):
+        golds = [ground_truth]
+    elif isinstance(ground_truth, (list, tuple)):
+        golds = list(ground_truth)
+    else:
+        raise TypeError(f"ground truth must be a str, a list of str, a dict with 'target' or a "
+                        f"numpy array of str, got {type(ground_truth).__name__}")
+    if not golds:
+        raise ValueError("ground truth has no answers: fix the data row, every question needs one")
+    bad = [g for g in golds if not isinstance(g, str)]
+    if bad:
+        raise TypeError(f"gold answers must be str, got {bad[:3]!r}")
+    return golds
+
+
+def _contains_tokens(text_norm: str, gold_norm: str) -> bool:
+    """Whether `gold_norm` occurs in `text_norm` as a run of whole tokens (both normalised)."""
+    return bool(gold_norm) and f" {gold_norm} " in f" {text_norm} "
+
+
+def exact_match(pred: str | None, golds: GroundTruth) -> float:
+    """1.0 when the normalised prediction equals some normalised gold answer."""
+    if pred is None:
+        return 0.0
+    pred_norm = normalize_answer(pred)
+    return float(any(pred_norm == normalize_answer(g) for g in gold_answers(golds)))
+
+
+def substring_match(pred: str | None, golds: GroundTruth) -> float:
+    """1.0 when some normalised gold answer occurs in the normalised prediction as whole tokens.
+
+    A gold that normalises to nothing (e.g. "The") never matches, since it would match anything.
+    """
+    if pred is None:
+        return 0.0
+    pred_norm = normalize_answer(pred)
+    return float(any(_contains_tokens(pred_norm, normalize_answer(g)) for g in gold_answers(golds)))
+
+
+_YES_NO = frozenset({"yes", "no", "noanswer"})
+
+
+def _f1(pred_norm: str, gold_norm: str) -> float:
+    # A yes/no answer shares no meaning with any other answer, even if tokens overlap.
+    if (pred_norm in _YES_NO or gold_norm in _YES_NO) and pred_norm != gold_norm:
+        return 0.0
+    pred_tokens, gold_tokens = pred_norm.split(), gold_norm.split()
+    common = sum((Counter(pred_tokens) & Counter(gold_tokens)).values())
+    if common == 0:
+        return 0.0
+    precision, recall = common / len(pred_tokens), common / len(gold_tokens)
+    return 2 * precision * recall / (precision + recall)
+
+
+def token_f1(pred: str | None, golds: GroundTruth) -> float:
+    """SQuAD token F1, the best over the gold answers.
+
+    Tokens are whitespace-separated words after normalisation, so an unsegmented CJK answer is a
+    single token and its F1 equals its exact match.
+    """
+    if pred is None:
+        return 0.0
+    pred_norm = normalize_answer(pred)
+    return max(_f1(pred_norm, normalize_answer(g)) for g in gold_answers(golds))
+
+
+# ---------------------------------------------------------------------------------------------
+# Format check
+
+_TAG = re.compile(r"<(/?)(think|search|information|answer)>")
+# Which block may open after each closed block, giving
+# think -> (search -> information -> think)* -> answer.
+_MAY_FOLLOW = {
+    None: ("think",),
+    "think": ("search", "answer"),
+    "search": ("information",),
+    "information": ("think",),
+    "answer": (),
+}
+
+
+@dataclass(frozen=True)
+class FormatResult:
+    valid: bool
+    n_search: int          # complete blocks seen, up to the first error when invalid
+    n_information: int
+    reason: str | None     # why the format is invalid; None when valid
+
+
+def _text_outside_reason(last: str | None) -> str:
+    if last is None:
+        return "text before the first <think>"
+    if last == "answer":
+        return "text after </answer>"
+    return f"text outside any block after </{last}>"
+
+
+def _order_reason(last: str | None, name: str) -> str:
+    if last is None:
+        return f"response must start with <think>, not <{name}>"
+    if last == "answer":
+        return f"<{name}> after </answer>"
+    if last == "search":
+        return f"<search> not followed by <information> (got <{name}>)"
+    expected = " or ".join(f"<{n}>" for n in _MAY_FOLLOW[last])
+    return f"<{name}> cannot follow </{last}> (expected {expected})"
+
+
+def check_format(response: str) -> FormatResult:
+    """Check the block structure think -> (search -> information -> think)* -> answer.
+
+    Only whitespace may sit between blocks. Text inside `<information>` is retrieved text written by
+    the environment, so tags inside it are not parsed: a passage that happens to contain "<think>"
+    cannot make a trajectory invalid. Decode the response without special tokens (a trailing
+    end-of-turn marker counts as text after </answer>).
+    """
+    counts = Counter()
+    last = None        # the last closed block
+    open_ = None       # the block currently open
+    pos = 0            # end of the last tag handled
+
+    def invalid(reason: str) -> FormatResult:
+        return FormatResult(False, counts["search"], counts["information"], reason)
+
+    for m in _TAG.finditer(response):
+        closing, name = m.group(1) == "/", m.group(2)
+        if open_ == "information" and not (closing and name == "information"):
+            continue
+        if open_ is None and response[pos:m.start()].strip():
+            return invalid(_text_outside_reason(last))
+        if closing:
+            if open_ is None:
+                return invalid(f"</{name}> without an opening <{name}>")
+            if name != open_:
+                return invalid(f"</{name}> while <{open_}> is open")
+            counts[name] += 1
+            last, open_ = name, None
+        else:
+            if open_ is not None:
+                return invalid(f"<{name}> nested inside <{open_}>")
+            if name not in _MAY_FOLLOW[last]:
+                return invalid(_order_reason(last, name))
+            open_ = name
+        pos = m.end()
+
+    if open_ is not None:
+        return invalid(f"<{open_}> is never closed")
+    if response[pos:].strip():
+        return invalid(_text_outside_reason(last))
+    if last == "search":
+        return invalid("<search> not followed by <information>")
+    if last != "answer":
+        return invalid("no <answer> block")
+    return FormatResult(True, counts["search"], counts["information"], None)
+
+
+# ---------------------------------------------------------------------------------------------
+# Reward
+
+
+@dataclass(frozen=True)
+class RewardResult:
+    score: float               # the training reward
+    em: float
+    f1: float
+    substring: float
+    format_ok: bool
+    answer: str | None         # the extracted answer, None when there is none
+    retrieval_hit: bool        # some <information> block contains a gold answer
+
+
+def retrieval_hit(response: str, golds: GroundTruth) -> bool:
+    """Whether some `<information>` block of the response contains a gold answer (whole tokens)."""
+    gold_norms = [normalize_answer(g) for g in gold_answers(golds)]
+    for block in _INFORMATION.findall(response):
+        block_norm = normalize_answer(block)
+        if any(_contains_tokens(block_norm, g) for g in gold_norms):
+            return True
+    return False
+
+
+def compute_score(response: str, ground_truth: GroundTruth, *, format_score: float = 0.0,
+                  structure_bonus: float = 0.0, retrieval_score: float = 0.0) -> RewardResult:
+    """Exact-match outcome reward with optional format, structure and retrieval terms.
+
+    With valid = check_format(response).valid and em in {0, 1}:
+
+        score = (1 - format_score) * em + format_score * valid
+
+    i.e. correct+valid -> 1, correct+invalid -> 1 - format_score, wrong+valid -> format_score,
+    wrong+invalid -> 0. Two optional additions, only when the answer is wrong:
+    - wrong+invalid but with a complete <answer> block -> `structure_bonus` instead of 0;
+    - a gold answer appears in some <information> block (the search found it but the model
+      did not use it) -> `retrieval_score` is added.
+    The defaults (all 0) give plain EM, the paper's reward.
+    """
+    if not 0.0 <= format_score <= 1.0 or not 0.0 <= retrieval_score <= 1.0:
+        raise ValueError(f"format_score = {format_score} and retrieval_score = {retrieval_score} "
+                         f"must lie in [0, 1]")
+    if not 0.0 <= structure_bonus <= format_score:
+        raise ValueError(f"structure_bonus = {structure_bonus} must lie in [0, format_score = "
+                         f"{format_score}], so that a valid format never pays less than an "
+                         f"invalid one")
+    if format_score + retrieval_score >= 1.0:
+        raise ValueError(f"format_score + retrieval_score = {format_score + retrieval_score} "
+                         f"must be below 1, so that a wrong answer always scores below a "
+                         f"correct one")
+
+    golds = gold_answers(ground_truth)
+    answer = extract_answer(response)
+    valid = check_format(response).valid
+    em = exact_match(answer, golds)
+    hit = retrieval_hit(response, golds)
+
+    score = (1.0 - format_score) * em + format_score * valid
+    if not em:
+        if not valid and answer is not None:
+            score = structure_bonus
+        if hit:
+            score += retrieval_score
+    return RewardResult(score=score, em=em, f1=token_f1(answer, golds),
+                        substring=substring_match(answer, golds), format_ok=valid,
+                        answer=answer, retrieval_hit=hit)
+
+
+# Scoring function per `data_source`. All use EM; to change one, map it to another function with
+# the same signature, e.g. functools.partial(compute_score, format_score=0.2).
+RewardFn = Callable[..., RewardResult]
+REWARD_FNS: dict[str, RewardFn] = {
+    source: compute_score
+    for source in ("nq", "triviaqa", "popqa", "hotpotqa", "2wikimultihopqa", "musique",
+                   "bamboogle", "geo_qa")
+}
+
+_warned_sources: set[str] = set()
+
+
+def score_for(data_source: str, response: str, ground_truth: GroundTruth, **kwargs) -> RewardResult:
+    """Score with the function registered for `data_source`; unknown sources fall back to EM.
+
+    The fallback warns once per source, so a new data set trains without code changes but a
+    misspelt source name does not go unnoticed.
+    """
+    fn = REWARD_FNS.get(data_source)
+    if fn is None:
+        if data_source not in _warned_sources:
+            _warned_sources.add(data_source)
+            logger.warning("No reward function for data_source %r (known: %s); scoring with exact "
+                           "match. Add it to search_r1.rewards.REWARD_FNS to choose another.",
+                           data_source, ", ".join(sorted(REWARD_FNS)))
+        fn = compute_score
+    return fn(response, ground_truth, **kwargs)

@@ -1,0 +1,125 @@
+"""Shared fixtures: a small real corpus, a dense index built with the bundled MiniLM encoder,
+and a real retrieval server process on 127.0.0.1."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+FACTS = [
+    ("Paris", "Paris is the capital and largest city of France, on the river Seine."),
+    ("Berlin", "Berlin is the capital of Germany and its most populous city."),
+    ("Madrid", "Madrid is the capital of Spain, located in the centre of the Iberian Peninsula."),
+    ("Rome", "Rome is the capital city of Italy and was the centre of the Roman Empire."),
+    ("Lisbon", "Lisbon is the capital of Portugal, on the Atlantic coast at the Tagus estuary."),
+    ("Tokyo", "Tokyo is the capital of Japan and one of the largest metropolitan areas."),
+    ("Canberra", "Canberra is the capital city of Australia, chosen as a compromise site."),
+    ("Ottawa", "Ottawa is the capital of Canada, in the province of Ontario."),
+    ("Nairobi", "Nairobi is the capital of Kenya and a hub of East Africa."),
+    ("Lima", "Lima is the capital of Peru, on the Pacific coast of South America."),
+    ("Photosynthesis", "Photosynthesis lets plants turn light, water and carbon dioxide into sugar and oxygen."),
+    ("Mitochondrion", "The mitochondrion is the organelle that produces most of a cell's chemical energy."),
+    ("Jupiter", "Jupiter is the largest planet of the Solar System, a gas giant with a great red spot."),
+    ("Mars", "Mars is the fourth planet from the Sun, called the red planet because of iron oxide."),
+    ("Mount Everest", "Mount Everest is the highest mountain above sea level, in the Himalayas."),
+    ("Amazon River", "The Amazon is the largest river in the world by discharge, flowing through Brazil."),
+    ("Nile", "The Nile is a major river of north-eastern Africa that flows into the Mediterranean."),
+    ("Marie Curie", "Marie Curie was a physicist and chemist who won two Nobel Prizes for radioactivity research."),
+    ("Albert Einstein", "Albert Einstein developed the theory of relativity and won the Nobel Prize in Physics."),
+    ("Isaac Newton", "Isaac Newton formulated the laws of motion and universal gravitation."),
+    ("William Shakespeare", "William Shakespeare was an English playwright who wrote Hamlet and Macbeth."),
+    ("Leonardo da Vinci", "Leonardo da Vinci painted the Mona Lisa and The Last Supper."),
+    ("Python (programming language)", "Python is a programming language created by Guido van Rossum."),
+    ("Linux", "Linux is an open-source operating system kernel first released by Linus Torvalds in 1991."),
+    ("Basketball", "Basketball is a team sport invented by James Naismith in 1891."),
+    ("Football", "Association football, or soccer, is played by two teams of eleven players."),
+    ("Chess", "Chess is a board game for two players on a checkered board of 64 squares."),
+    ("Coffee", "Coffee is a drink brewed from roasted coffee beans, the seeds of Coffea plants."),
+    ("Tea", "Tea is an aromatic beverage prepared by pouring hot water over cured tea leaves."),
+    ("Penguin", "Penguins are flightless seabirds that live almost exclusively in the Southern Hemisphere."),
+    ("Elephant", "Elephants are the largest living land animals, with trunks and large ears."),
+    ("Great Wall of China", "The Great Wall of China is a series of fortifications built across northern China."),
+    ("Eiffel Tower", "The Eiffel Tower is a wrought-iron lattice tower in Paris, completed in 1889."),
+    ("Titanic", "The Titanic was a British passenger liner that sank in 1912 after hitting an iceberg."),
+    ("Moon landing", "Apollo 11 landed the first humans on the Moon in July 1969."),
+    ("Mozart", "Wolfgang Amadeus Mozart was a prolific composer of the Classical period from Salzburg."),
+    ("Beethoven", "Ludwig van Beethoven was a German composer who wrote nine symphonies."),
+    ("Olympic Games", "The modern Olympic Games were first held in Athens in 1896."),
+    ("Internet", "The Internet is the global system of interconnected computer networks."),
+    ("DNA", "DNA is the molecule that carries the genetic instructions of living organisms."),
+]
+
+
+def write_corpus(path: Path, facts=FACTS) -> Path:
+    with open(path, "w") as f:
+        for i, (title, text) in enumerate(facts):
+            f.write(json.dumps({"id": str(i), "contents": f'"{title}"\n{text}'}) + "\n")
+    return path
+
+
+@pytest.fixture(scope="session")
+def corpus_jsonl(tmp_path_factory) -> Path:
+    return write_corpus(tmp_path_factory.mktemp("corpus") / "corpus.jsonl")
+
+
+@pytest.fixture(scope="session")
+def dense_index(corpus_jsonl, tmp_path_factory) -> Path:
+    from search_r1.retrieval.build import build_dense
+    out = tmp_path_factory.mktemp("dense_index")
+    return build_dense(str(corpus_jsonl), str(out), "all-MiniLM-L6-v2", progress=False)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    def __init__(self, args: list[str], log_path: Path, env: dict | None = None):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = open(log_path, "w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "search_r1.cli", "serve", "--port", str(self.port), *args],
+            stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited: {log_path.read_text()[-2000:]}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return
+            except httpx.TransportError:
+                time.sleep(0.3)
+        self.stop()
+        raise RuntimeError(f"server did not start: {log_path.read_text()[-2000:]}")
+
+    def stop(self):
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self.log.close()
+
+
+@pytest.fixture(scope="session")
+def dense_server(dense_index, corpus_jsonl, tmp_path_factory):
+    server = ServerProcess(
+        ["--retriever_name", "minilm", "--retriever_model", "all-MiniLM-L6-v2",
+         "--index_path", str(dense_index), "--corpus_path", str(corpus_jsonl),
+         "--max_queries_per_request", "64", "--max_topk", "20"],
+        tmp_path_factory.mktemp("logs") / "dense_server.log")
+    yield server
+    server.stop()

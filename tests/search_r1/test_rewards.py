@@ -1,0 +1,310 @@
+import logging
+import random
+
+import numpy as np
+import pytest
+
+from search_r1.rewards import (
+    REWARD_FNS,
+    check_format,
+    compute_score,
+    exact_match,
+    extract_answer,
+    gold_answers,
+    normalize_answer,
+    retrieval_hit,
+    score_for,
+    substring_match,
+    token_f1,
+)
+
+INFO_PARIS = "<information>Doc 1 (Title: France) Paris is the capital of France.</information>"
+INFO_OTHER = "<information>Doc 1 (Title: Lyon) Lyon is a city in France.</information>"
+
+
+def trajectory(answer="Paris", info=INFO_OTHER):
+    """A well-formed response with one search round."""
+    return (f"<think>I should look this up.</think>\n<search>capital of France</search>\n\n{info}\n\n"
+            f"<think>Now I know.</think>\n<answer> {answer} </answer>")
+
+
+# --- extract_answer ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("response, expected", [
+    ("<think>x</think><answer>Paris</answer>", "Paris"),
+    ("<answer>a</answer> then <answer>b</answer>", "b"),             # the last one wins
+    ("<answer>\n  São Paulo \n</answer>\n", "São Paulo"),             # whitespace and newlines
+    ("<answer></answer>", ""),                                        # empty, but present
+    ("no answer here", None),
+    ("<answer>unterminated", None),
+    ("stray </answer>", None),
+    ("<answer>a <answer>b</answer>", "b"),                            # nested: innermost pair
+    ("<answer>a</answer> <answer>b", "a"),                            # trailing unclosed: last complete
+    ("<answer>b</answer></answer>", "b"),                             # extra closing tag
+    ("</answer><answer>c</answer>", "c"),
+])
+def test_extract_answer(response, expected):
+    assert extract_answer(response) == expected
+
+
+def test_extract_answer_ignores_retrieved_text():
+    response = ("<think>x</think><search>q</search>"
+                "<information>a passage quoting <answer>Berlin</answer></information>")
+    assert extract_answer(response) is None
+    assert extract_answer(response + "<think>y</think><answer>Paris</answer>") == "Paris"
+
+
+def test_prompt_example_answer_is_not_counted():
+    prompt = ("Answer the question. For example, <answer> Beijing </answer>. "
+              "Question: what is the capital of France?")
+    response = "<think>I am not sure.</think><search>capital of France</search>"
+    # Callers pass the response only; the prompt's example would be found in the concatenation.
+    assert extract_answer(prompt + response) == "Beijing"
+    assert extract_answer(response) is None
+    assert compute_score(response, "Beijing").score == 0.0
+
+
+# --- normalisation and metrics ----------------------------------------------------------------
+
+@pytest.mark.parametrize("raw, expected", [
+    ("The Eiffel Tower!", "eiffel tower"),
+    ("  a   man,  an apple; the end. ", "man apple end"),
+    ("U.S.A.", "usa"),
+    ("theatre", "theatre"),                                # articles only as whole words
+    ("São Paulo", "sao paulo"),
+    ("Ångström", "angstrom"),
+    ("Việt Nam", "viet nam"),
+    ("Straße", "strasse"),
+    ("ＡＢＣ　１２３", "abc 123"),                           # full-width forms fold
+    ("東京都。", "東京都"),                                   # CJK kept, CJK punctuation removed
+    ("「がっこう」", "がっこう"),                             # kana voicing marks are kept
+    ("$1,000", "1000"),
+])
+def test_normalize_answer(raw, expected):
+    assert normalize_answer(raw) == expected
+
+
+def test_exact_match():
+    assert exact_match("the  Sao Paulo.", "São Paulo") == 1.0
+    assert exact_match("Paris", ["London", "paris"]) == 1.0
+    assert exact_match("Paris, France", "Paris") == 0.0
+    assert exact_match(None, "Paris") == 0.0
+    assert exact_match("東京", ["東京"]) == 1.0
+    assert exact_match("東京", ["京都"]) == 0.0
+
+
+def test_substring_match_uses_whole_tokens():
+    assert substring_match("It is Paris, France.", "paris") == 1.0
+    assert substring_match("in the year 1990", "1990") == 1.0
+    assert substring_match("in the year 1990", "1") == 0.0
+    assert substring_match("anything", "The") == 0.0                 # gold normalises to ""
+    assert substring_match(None, "Paris") == 0.0
+
+
+def test_token_f1_yes_no():
+    assert token_f1("yes", "yes") == 1.0
+    assert token_f1("yes", "no") == 0.0
+    assert token_f1("yes it is", "yes") == 0.0                       # gold yes, pred differs
+    assert token_f1("no", "no answer at all") == 0.0
+    assert token_f1("noanswer", "the noanswer") == 1.0
+
+
+def naive_f1(pred, gold):
+    """SQuAD F1 with explicit loops, as a reference for token_f1."""
+    p, g = normalize_answer(pred).split(), normalize_answer(gold).split()
+    remaining = list(g)
+    common = 0
+    for tok in p:
+        if tok in remaining:
+            remaining.remove(tok)
+            common += 1
+    if common == 0:
+        return 0.0
+    precision, recall = common / len(p), common / len(g)
+    return 2 * precision * recall / (precision + recall)
+
+
+def test_token_f1_matches_naive_reference():
+    rng = random.Random(0)
+    vocab = ["paris", "france", "capital", "city", "the", "a", "Lyon", "river,", "seine"]
+    for _ in range(500):
+        pred = " ".join(rng.choices(vocab, k=rng.randint(0, 6)))
+        golds = [" ".join(rng.choices(vocab, k=rng.randint(1, 5))) for _ in range(rng.randint(1, 3))]
+        assert token_f1(pred, golds) == pytest.approx(max(naive_f1(pred, g) for g in golds))
+
+
+def test_token_f1_values():
+    assert token_f1("Paris France", "Paris") == pytest.approx(2 / 3)
+    assert token_f1("paris paris", "paris") == pytest.approx(2 / 3)   # repeated tokens count once
+    assert token_f1(None, "Paris") == 0.0
+
+
+# --- ground truth types -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("gt", [
+    "Paris",
+    ["Lyon", "Paris"],
+    ("Paris",),
+    {"target": ["Lyon", "Paris"]},
+    {"target": "Paris"},
+    np.array(["Lyon", "Paris"]),
+    np.array(["Lyon", "Paris"], dtype=object),
+    {"target": np.array(["Paris"], dtype=object)},
+    np.array("Paris"),
+])
+def test_ground_truth_types(gt):
+    assert "Paris" in gold_answers(gt)
+    assert exact_match("paris", gt) == 1.0
+    assert compute_score(trajectory("Paris"), gt).score == 1.0
+
+
+@pytest.mark.parametrize("gt, error", [
+    ([], ValueError),
+    (np.array([], dtype=object), ValueError),
+    ({"answers": ["Paris"]}, KeyError),
+    (None, TypeError),
+    ([1990], TypeError),
+])
+def test_bad_ground_truth(gt, error):
+    with pytest.raises(error):
+        gold_answers(gt)
+
+
+# --- check_format -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("response, n_search", [
+    ("<think>easy</think><answer>Paris</answer>", 0),
+    ("  <think>easy</think>\n\n<answer>Paris</answer>\n", 0),
+    (trajectory(), 1),
+    ("<think>a</think><search>q</search><information>d</information>"
+     "<think>b</think><search>r</search><information>e</information>"
+     "<think>c</think><answer>x</answer>", 2),
+    # Retrieved text is opaque: tags inside <information> are not parsed.
+    ("<think>a</think><search>q</search><information>see <think> and <answer>z</answer></information>"
+     "<think>b</think><answer>x</answer>", 1),
+])
+def test_check_format_valid(response, n_search):
+    result = check_format(response)
+    assert result.valid, result.reason
+    assert result.reason is None
+    assert result.n_search == result.n_information == n_search
+
+
+@pytest.mark.parametrize("response, reason", [
+    ("<think>a</think>", "no <answer> block"),                                       # answer missing
+    ("", "no <answer> block"),
+    ("<think>a</think><answer>x</answer> trailing words", "text after </answer>"),
+    ("<think>a</think><answer>x</answer><think>b</think>", "<think> after </answer>"),
+    ("<think>a</think><search>q</search>", "<search> not followed by <information>"),
+    ("<think>a</think><search>q</search><think>b</think><answer>x</answer>",
+     "<search> not followed by <information> (got <think>)"),
+    ("<think>a</think><search>q</search><answer>x</answer>",
+     "<search> not followed by <information> (got <answer>)"),
+    ("<answer>x</answer>", "response must start with <think>, not <answer>"),        # wrong order
+    ("<think>a</think><information>d</information><think>b</think><answer>x</answer>",
+     "<information> cannot follow </think> (expected <search> or <answer>)"),
+    ("<think>a</think><search>q</search><information>d</information><answer>x</answer>",
+     "<answer> cannot follow </information> (expected <think>)"),
+    ("<think>a</think><search>q</search><information>d</information><search>r</search>",
+     "<search> cannot follow </information> (expected <think>)"),
+    ("<think>a</think><think>b</think><answer>x</answer>",
+     "<think> cannot follow </think> (expected <search> or <answer>)"),
+    ("<think>a <answer>x</answer></think>", "<answer> nested inside <think>"),       # nested
+    ("<think>a</think><answer>a <answer>b</answer></answer>", "<answer> nested inside <answer>"),
+    ("<think>a</search><answer>x</answer>", "</search> while <think> is open"),     # unbalanced
+    ("<think>a</think></think><answer>x</answer>", "</think> without an opening <think>"),
+    ("<think>a</think><answer>x", "<answer> is never closed"),
+    ("<think>a", "<think> is never closed"),
+    ("preamble <think>a</think><answer>x</answer>", "text before the first <think>"),
+    ("<think>a</think> stray <answer>x</answer>", "text outside any block after </think>"),
+    ("<think>a</think><answer>x</answer><|im_end|>", "text after </answer>"),
+])
+def test_check_format_invalid(response, reason):
+    result = check_format(response)
+    assert not result.valid
+    assert result.reason == reason
+
+
+def test_check_format_counts_up_to_error():
+    result = check_format("<think>a</think><search>q</search><information>d</information>"
+                          "<think>b</think><search>r</search>")
+    assert not result.valid
+    assert (result.n_search, result.n_information) == (2, 1)
+
+
+# --- compute_score ----------------------------------------------------------------------------
+
+VALID_CORRECT = trajectory("Paris")
+VALID_WRONG = trajectory("Lyon")
+VALID_WRONG_HIT = trajectory("Lyon", info=INFO_PARIS)
+INVALID_CORRECT = trajectory("Paris") + " trailing"
+INVALID_WRONG_WITH_ANSWER = trajectory("Lyon") + " trailing"
+INVALID_NO_ANSWER = "<think>I should look this up.</think><search>capital</search>" + INFO_OTHER
+INVALID_NO_ANSWER_HIT = "<think>I should look this up.</think><search>capital</search>" + INFO_PARIS
+
+SCHEME = dict(format_score=0.2, structure_bonus=0.1, retrieval_score=0.3)
+
+
+@pytest.mark.parametrize("response, default, configured", [
+    (VALID_CORRECT, 1.0, 1.0),
+    (VALID_WRONG, 0.0, 0.2),
+    (VALID_WRONG_HIT, 0.0, 0.5),
+    (INVALID_CORRECT, 1.0, 0.8),
+    (INVALID_WRONG_WITH_ANSWER, 0.0, 0.1),
+    (INVALID_NO_ANSWER, 0.0, 0.0),
+    (INVALID_NO_ANSWER_HIT, 0.0, 0.3),
+    (trajectory("Paris", info=INFO_PARIS), 1.0, 1.0),     # no retrieval bonus on a correct answer
+])
+def test_compute_score_matrix(response, default, configured):
+    assert compute_score(response, ["Paris"]).score == pytest.approx(default)
+    assert compute_score(response, ["Paris"], **SCHEME).score == pytest.approx(configured)
+
+
+def test_compute_score_default_is_plain_em():
+    for response in (VALID_CORRECT, VALID_WRONG, INVALID_CORRECT, INVALID_NO_ANSWER_HIT):
+        result = compute_score(response, "Paris")
+        assert result.score == result.em
+
+
+def test_compute_score_fields():
+    result = compute_score(trajectory("Paris, France", info=INFO_PARIS), {"target": ["Paris"]})
+    assert result.answer == "Paris, France"
+    assert result.em == 0.0
+    assert result.substring == 1.0
+    assert result.f1 == pytest.approx(2 / 3)
+    assert result.format_ok
+    assert result.retrieval_hit
+    assert not retrieval_hit(VALID_CORRECT, "Paris")
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(format_score=-0.1),
+    dict(format_score=1.5),
+    dict(format_score=0.1, structure_bonus=0.2),
+    dict(format_score=0.5, retrieval_score=0.5),
+])
+def test_compute_score_rejects_bad_settings(kwargs):
+    with pytest.raises(ValueError):
+        compute_score(VALID_CORRECT, "Paris", **kwargs)
+
+
+# --- per-source dispatch ----------------------------------------------------------------------
+
+def test_reward_fns_cover_the_benchmarks():
+    for source in ("nq", "triviaqa", "popqa", "hotpotqa", "2wikimultihopqa", "musique",
+                   "bamboogle", "geo_qa"):
+        assert REWARD_FNS[source] is compute_score
+
+
+def test_score_for_known_source_passes_kwargs():
+    assert score_for("nq", VALID_WRONG, "Paris", format_score=0.2).score == pytest.approx(0.2)
+
+
+def test_score_for_unknown_source_falls_back_to_em_and_warns_once(caplog):
+    with caplog.at_level(logging.WARNING, logger="search_r1.rewards"):
+        first = score_for("my_new_dataset", VALID_CORRECT, np.array(["Paris"], dtype=object))
+        second = score_for("my_new_dataset", VALID_WRONG, "Paris")
+    assert (first.score, second.score) == (1.0, 0.0)
+    warnings = [r for r in caplog.records if "my_new_dataset" in r.getMessage()]
+    assert len(warnings) == 1
+    assert "nq" in warnings[0].getMessage()
