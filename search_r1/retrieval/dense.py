@@ -96,7 +96,7 @@ class ExactIndex:
             x = torch.empty((int(hi - lo), self.dim), dtype=self.dtype, device=dev)
             for a in range(lo, hi, load_rows):  # chunked copy: the file is never read whole
                 b = min(a + load_rows, hi)
-                x[a - lo:b - lo] = torch.from_numpy(np.ascontiguousarray(vectors[a:b])).to(dev, self.dtype)
+                x[a - lo:b - lo] = torch.from_numpy(np.array(vectors[a:b])).to(dev, self.dtype)
             self.shards.append((int(lo), x))
         log.info("exact index: %s vectors × %d on %s (%s)", f"{self.n:,}", self.dim, devices, self.dtype)
 

@@ -1,0 +1,210 @@
+"""Turn QA datasets into the parquet files the trainer reads.
+
+Each row: `data_source`, `prompt` (chat messages from `templates.make_prompt`), `ability`,
+`reward_model = {"style": "rule", "ground_truth": {"target": [answers]}}` and
+`extra_info = {"split", "index"}`.
+
+Deviation from the original scripts: `extra_info.index` runs over all merged sources, so it is
+unique in a file and can serve as the prompt's group id; the original restarted it at 0 for each
+source, which made ids collide when NQ and HotpotQA were trained on together.
+
+Sources, merged in this order:
+- FlashRAG datasets by name (`--sources nq,hotpotqa`), from the Hugging Face hub or from a local
+  copy of that repository (`--local-dir`, holding `<name>/<split>.jsonl`);
+- local files with `question` and `golden_answers` columns (`--local name=path`, JSONL or parquet);
+- the bundled geography task (`--bundled`).
+Several FlashRAG datasets have no test split; asking for `test` then takes `dev`, as is usual.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Callable
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from search_r1.data import bundled
+from search_r1.data.templates import TEMPLATES, make_prompt
+
+log = logging.getLogger(__name__)
+
+HUB_REPO = "RUC-NLPIR/FlashRAG_datasets"
+FLASHRAG_SOURCES = ["nq", "triviaqa", "popqa", "hotpotqa", "2wikimultihopqa", "musique",
+                    "bamboogle"]
+ABILITY = "fact-reasoning"
+
+SCHEMA = pa.schema([
+    ("data_source", pa.string()),
+    ("prompt", pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))),
+    ("ability", pa.string()),
+    ("reward_model", pa.struct([
+        ("style", pa.string()),
+        ("ground_truth", pa.struct([("target", pa.list_(pa.string()))])),
+    ])),
+    ("extra_info", pa.struct([("split", pa.string()), ("index", pa.int64())])),
+])
+
+# (dataset name, split) -> records with "question" and "golden_answers".
+Loader = Callable[[str, str], list[dict]]
+
+
+class SplitNotFound(LookupError):
+    """The dataset exists but has no such split."""
+
+
+def hub_loader(name: str, split: str) -> list[dict]:
+    """One FlashRAG dataset split from the Hugging Face hub (needs network or the HF cache)."""
+    from datasets import load_dataset
+
+    try:
+        ds = load_dataset(HUB_REPO, name, split=split)
+    except ValueError as e:
+        if "Unknown split" in str(e):
+            raise SplitNotFound(str(e)) from e
+        raise
+    except ConnectionError as e:
+        raise ConnectionError(f"Could not reach {HUB_REPO} on the Hugging Face hub ({e}). On an "
+                              f"offline machine, copy the repository there (`huggingface-cli "
+                              f"download {HUB_REPO} --repo-type dataset --local-dir DIR`) and "
+                              "pass --local-dir DIR.") from e
+    return [{"question": r["question"], "golden_answers": r["golden_answers"]} for r in ds]
+
+
+def local_dir_loader(root: str | os.PathLike) -> Loader:
+    """Loader over a local copy of the FlashRAG repository: `<root>/<name>/<split>.jsonl`
+    (or `.parquet`)."""
+    root = Path(root)
+
+    def load(name: str, split: str) -> list[dict]:
+        for suffix in (".jsonl", ".parquet"):
+            path = root / name / f"{split}{suffix}"
+            if path.exists():
+                return read_qa_file(path)
+        if not (root / name).is_dir():
+            raise FileNotFoundError(f"No folder {root / name}: download the dataset with "
+                                    f"`huggingface-cli download {HUB_REPO} --repo-type dataset "
+                                    f"--include '{name}/*' --local-dir {root}`.")
+        raise SplitNotFound(f"{root / name} has no {split}.jsonl or {split}.parquet")
+
+    return load
+
+
+def load_split(name: str, split: str, loader: Loader) -> list[dict]:
+    """Records of `split`; for `test`, falls back to `dev` when the dataset has no test split."""
+    tried = [split] + (["dev"] if split == "test" else [])
+    for s in tried:
+        try:
+            records = loader(name, s)
+        except SplitNotFound:
+            continue
+        if s != split:
+            log.info("%s has no %s split; using %s instead", name, split, s)
+        return records
+    raise SplitNotFound(f"{name} has no {' or '.join(tried)} split: drop it from --sources or "
+                        "ask for another --split.")
+
+
+def read_qa_file(path: str | os.PathLike) -> list[dict]:
+    """Records from a JSONL or parquet file with `question` and `golden_answers` columns."""
+    path = Path(path)
+    if path.suffix == ".parquet":
+        records = pq.read_table(path).to_pylist()
+    else:
+        with open(path, encoding="utf-8") as f:
+            records = [json.loads(line) for line in f if line.strip()]
+    for i, r in enumerate(records):
+        if "question" not in r or "golden_answers" not in r:
+            raise ValueError(f"{path} row {i} has fields {sorted(r)}; each row needs `question` "
+                             "and `golden_answers` (a list of acceptable answers).")
+    return records
+
+
+def make_row(question: str, answers, data_source: str, split: str, index: int,
+             template: str) -> dict:
+    if isinstance(answers, str):  # some files store a single answer as a bare string
+        answers = [answers]
+    return {
+        "data_source": data_source,
+        "prompt": make_prompt(question, template),
+        "ability": ABILITY,
+        "reward_model": {"style": "rule", "ground_truth": {"target": [str(a) for a in answers]}},
+        "extra_info": {"split": split, "index": index},
+    }
+
+
+def build_rows(sources: list[tuple[str, list[dict]]], split: str,
+               template: str = "instruct") -> list[dict]:
+    """Rows for all sources in order; `extra_info.index` is a running index over all of them."""
+    rows = []
+    for name, records in sources:
+        for r in records:
+            rows.append(make_row(r["question"], r["golden_answers"], name, split, len(rows),
+                                 template))
+        log.info("%s/%s: %d rows", name, split, len(records))
+    return rows
+
+
+def write_parquet(rows: list[dict], path: str | os.PathLike) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.Table.from_pylist(rows, schema=SCHEMA), path)
+    return path
+
+
+def collect_sources(names: list[str], local: list[str], use_bundled: bool, split: str,
+                    loader: Loader) -> list[tuple[str, list[dict]]]:
+    """(data_source, records): FlashRAG datasets first, then local files, then the bundled task."""
+    sources = []
+    for name in names:
+        if name not in FLASHRAG_SOURCES:
+            log.warning("%s is not one of the known FlashRAG datasets %s; trying it anyway",
+                        name, FLASHRAG_SOURCES)
+        sources.append((name, load_split(name, split, loader)))
+    for spec in local:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--local {spec!r} should look like name=path/to/file.jsonl")
+        sources.append((name, read_qa_file(path)))
+    if use_bundled:
+        if split not in ("train", "test"):
+            raise ValueError(f"The bundled task has train and test splits, not {split!r}.")
+        sources.append((bundled.DATA_SOURCE, bundled.read_jsonl(bundled.bundled_paths()[split])))
+    return sources
+
+
+def main(argv: list[str] | None = None, loader: Loader | None = None) -> Path:
+    parser = argparse.ArgumentParser(description="Build a Search-R1 training or test parquet file.")
+    parser.add_argument("--sources", default="",
+                        help=f"comma-separated FlashRAG datasets, e.g. nq,hotpotqa "
+                             f"(known: {','.join(FLASHRAG_SOURCES)})")
+    parser.add_argument("--local", action="append", default=[], metavar="NAME=PATH",
+                        help="a local JSONL/parquet file with question and golden_answers; "
+                             "NAME becomes data_source (repeatable)")
+    parser.add_argument("--bundled", action="store_true", help="add the bundled geography task")
+    parser.add_argument("--split", default="train", help="train, dev or test")
+    parser.add_argument("--template", default="instruct", choices=sorted(TEMPLATES))
+    parser.add_argument("--local-dir", default=None,
+                        help="local copy of the FlashRAG dataset repository, "
+                             "used instead of the hub")
+    parser.add_argument("--out", required=True, help="output parquet file")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+
+    names = [n.strip() for n in args.sources.split(",") if n.strip()]
+    if not (names or args.local or args.bundled):
+        parser.error("nothing to convert: give --sources, --local or --bundled")
+    if loader is None:
+        loader = local_dir_loader(args.local_dir) if args.local_dir else hub_loader
+    rows = build_rows(collect_sources(names, args.local, args.bundled, args.split, loader),
+                      args.split, args.template)
+    path = write_parquet(rows, args.out)
+    log.info("wrote %d rows to %s", len(rows), path)
+    return path
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,182 @@
+"""The retrieval server as users run it: a real process (or a real uvicorn in a thread) on
+127.0.0.1, the real MiniLM encoder and the exact index over a small corpus."""
+import json
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+import uvicorn
+
+from search_r1.cli import main as cli_main
+from search_r1.retrieval.base import Retriever
+from search_r1.retrieval.factory import RetrieverArgs, build_retriever
+from search_r1.retrieval.server import ServerConfig, create_app
+from conftest import free_port
+
+
+def post(server, body, **kw):
+    return httpx.post(server.url + "/retrieve", json=body, timeout=30, **kw)
+
+
+def test_answer_layout_with_and_without_scores(dense_server):
+    r = post(dense_server, {"queries": ["capital of Japan", "who painted the Mona Lisa"],
+                            "topk": 2, "return_scores": True})
+    assert r.status_code == 200
+    result = r.json()["result"]
+    assert len(result) == 2 and all(len(hits) == 2 for hits in result)
+    assert result[0][0]["document"]["contents"].startswith('"Tokyo"')
+    assert result[1][0]["document"]["contents"].startswith('"Leonardo da Vinci"')
+    assert result[0][0]["score"] >= result[0][1]["score"]
+    # return_scores false (the original server crashes here): documents only.
+    r = post(dense_server, {"queries": ["capital of Japan"], "topk": 2, "return_scores": False})
+    doc = r.json()["result"][0][0]
+    assert set(doc) == {"id", "contents"} and doc["id"] == "5"
+    # No topk: the server's default (3).
+    assert len(post(dense_server, {"queries": ["capital of Japan"]}).json()["result"][0]) == 3
+
+
+def test_concurrent_answers_equal_sequential(dense_server):
+    queries = [f"{w} capital city" for w in ("French", "German", "Spanish", "Italian", "Peruvian",
+                                              "Kenyan", "Japanese", "Canadian")] + \
+              ["red planet", "largest river", "theory of relativity", "board game with 64 squares"]
+    sequential = [post(dense_server, {"queries": [q], "topk": 3, "return_scores": True}).json()
+                  for q in queries]
+    with ThreadPoolExecutor(12) as pool:
+        for _ in range(3):
+            concurrent = list(pool.map(
+                lambda q: post(dense_server, {"queries": [q], "topk": 3, "return_scores": True}).json(),
+                queries))
+            for a, b in zip(sequential, concurrent):
+                assert [h["document"]["id"] for h in a["result"][0]] == \
+                       [h["document"]["id"] for h in b["result"][0]]
+                for ha, hb in zip(a["result"][0], b["result"][0]):
+                    assert ha["score"] == pytest.approx(hb["score"], abs=1e-5)
+    metrics = httpx.get(dense_server.url + "/metrics").text
+    assert "retrieval_batch_queries_bucket" in metrics and "retrieval_request_seconds_count" in metrics
+
+
+BAD_INPUTS = [
+    (b"{not json", 422),
+    (b'["a list"]', 422),
+    (json.dumps({"queries": "one string"}).encode(), 422),
+    (json.dumps({"queries": [1, 2]}).encode(), 422),
+    (json.dumps({"queries": ["ok"], "topk": "3"}).encode(), 422),
+    (json.dumps({"queries": ["ok"], "topk": 2.5}).encode(), 422),
+    (json.dumps({"queries": ["ok"], "return_scores": "yes"}).encode(), 422),
+    (json.dumps({"topk": 3}).encode(), 422),
+    (json.dumps({"queries": []}).encode(), 400),
+    (json.dumps({"queries": ["ok", ""]}).encode(), 400),
+    (json.dumps({"queries": ["   "]}).encode(), 400),
+    (json.dumps({"queries": ["x" * 5000]}).encode(), 400),
+    (json.dumps({"queries": ["ok"], "topk": 0}).encode(), 400),
+    (json.dumps({"queries": ["ok"], "topk": -1}).encode(), 400),
+    (json.dumps({"queries": ["ok"], "topk": 21}).encode(), 400),
+    (json.dumps({"queries": ["ok"] * 65}).encode(), 400),
+]
+
+
+@pytest.mark.parametrize("body,status", BAD_INPUTS)
+def test_bad_input_gets_clear_4xx_and_server_keeps_serving(dense_server, body, status):
+    r = httpx.post(dense_server.url + "/retrieve", content=body,
+                   headers={"content-type": "application/json"})
+    assert r.status_code == status, r.text
+    assert r.json()["error"]
+    assert post(dense_server, {"queries": ["capital of Japan"], "topk": 1}).status_code == 200
+
+
+def test_startup_refuses_mismatched_or_missing_files(dense_index, tmp_path, capsys):
+    from conftest import FACTS, write_corpus
+    short = write_corpus(tmp_path / "short.jsonl", FACTS[:-3])
+    args = ["serve", "--retriever_model", "all-MiniLM-L6-v2", "--index_path", str(dense_index),
+            "--corpus_path", str(short)]
+    assert cli_main(args) == 2
+    err = capsys.readouterr().err
+    assert "37 rows" in err and "40 vectors" in err and "short" in err
+    assert cli_main(["serve", "--index_path", str(tmp_path / "nope"),
+                     "--corpus_path", str(short)]) == 2
+    assert "nope does not exist" in capsys.readouterr().err
+
+
+class ThreadServer:
+    """uvicorn in a thread, for tests that wrap the real retriever."""
+
+    def __init__(self, app):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port,
+                                                    log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        while not self.server.started:
+            time.sleep(0.05)
+
+    def stop(self):
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
+class Wrapped(Retriever):
+    """The real dense retriever, slowed down or failing on a marked query, to drive the queue."""
+
+    def __init__(self, inner, delay=0.0, poison="POISON"):
+        self.inner, self.delay, self.poison, self.calls = inner, delay, poison, []
+
+    def search(self, queries, topk):
+        self.calls.append(len(queries))
+        time.sleep(self.delay)
+        if self.poison in queries:
+            raise ValueError("cannot search this")
+        return self.inner.search(queries, topk)
+
+
+@pytest.fixture(scope="module")
+def real_retriever(dense_index, corpus_jsonl):
+    return build_retriever(RetrieverArgs(retriever_name="minilm", retriever_model="all-MiniLM-L6-v2",
+                                         index_path=str(dense_index), corpus_path=str(corpus_jsonl)))
+
+
+def test_cross_request_batching_and_one_bad_request(real_retriever):
+    wrapped = Wrapped(real_retriever, delay=0.05)
+    server = ThreadServer(create_app(wrapped, ServerConfig(max_wait_ms=50)))
+    try:
+        bodies = [{"queries": ["capital of Japan"]}, {"queries": ["POISON"]},
+                  {"queries": ["red planet", "largest river"]}] * 3
+        with ThreadPoolExecutor(len(bodies)) as pool:
+            answers = list(pool.map(lambda b: post(server, b), bodies))
+        for body, r in zip(bodies, answers):
+            if body["queries"] == ["POISON"]:
+                assert r.status_code == 500 and "search failed" in r.json()["error"]
+            else:
+                assert r.status_code == 200 and len(r.json()["result"]) == len(body["queries"])
+        assert max(wrapped.calls) > 2  # queries of several requests went into one search call
+    finally:
+        server.stop()
+
+
+def test_back_pressure_sheds_load_with_retry_after(real_retriever):
+    server = ThreadServer(create_app(Wrapped(real_retriever, delay=0.3),
+                                     ServerConfig(max_pending=4, max_batch=2, max_wait_ms=0)))
+    try:
+        with ThreadPoolExecutor(10) as pool:
+            answers = list(pool.map(lambda _: post(server, {"queries": ["a", "b"]}), range(10)))
+        codes = [r.status_code for r in answers]
+        assert 200 in codes and 503 in codes, codes
+        shed = next(r for r in answers if r.status_code == 503)
+        assert shed.headers["retry-after"] == "1"
+        assert post(server, {"queries": ["capital of Japan"]}).status_code == 200  # recovers
+        health = httpx.get(server.url + "/health").json()
+        assert health["status"] == "ok" and health["pending_queries"] == 0
+    finally:
+        server.stop()
+
+
+def test_api_key(real_retriever):
+    server = ThreadServer(create_app(real_retriever, ServerConfig(api_key="s3cret")))
+    try:
+        assert post(server, {"queries": ["x"]}).status_code == 401
+        assert post(server, {"queries": ["x"]}, headers={"Authorization": "Bearer wrong"}).status_code == 401
+        assert post(server, {"queries": ["x"]}, headers={"Authorization": "Bearer s3cret"}).status_code == 200
+    finally:
+        server.stop()
