@@ -31,5 +31,12 @@ class Retriever(ABC):
     def search(self, queries: list[str], topk: int) -> list[list[Hit]]:
         ...
 
+    def stats(self) -> dict:
+        """Cumulative counters shown by `/health` (e.g. seconds per phase). Default: none."""
+        return {}
+
+    def warmup(self) -> None:
+        """Pay one-time costs (CUDA context, kernel selection) before serving. Default: nothing."""
+
     def close(self) -> None:
         """Release files, GPU memory and network sessions."""

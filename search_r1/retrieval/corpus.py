@@ -12,6 +12,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 
 log = logging.getLogger(__name__)
@@ -104,19 +105,31 @@ class Corpus:
             raise ValueError(f"{path} is not a converted corpus (columns {table.schema.names})")
         self._ids = table.column("id")
         self._contents = table.column("contents")
+        # Start row of each record batch: a row is found by bisection, then read from its batch.
+        # (ChunkedArray.take would first concatenate all batches: O(N) per call.)
+        self._starts = np.cumsum([0] + [len(c) for c in self._ids.chunks])
 
     def __len__(self) -> int:
         return len(self._ids)
 
     def __getitem__(self, i: int) -> Passage:
-        return Passage(self._ids[i].as_py(), self._contents[i].as_py())
+        return self.get_many([i])[0]
 
     def get_many(self, positions) -> list[Passage]:
-        """Rows by position, in the given order (one vectorised take, no Python loop per chunk)."""
-        idx = pa.array(positions, type=pa.int64())
-        ids = self._ids.take(idx).to_pylist()
-        contents = self._contents.take(idx).to_pylist()
-        return [Passage(i, c) for i, c in zip(ids, contents)]
+        """Rows by position, in the given order; cost grows with len(positions), not the corpus."""
+        pos = np.asarray(positions, dtype=np.int64)
+        if len(pos) and (pos.min() < 0 or pos.max() >= len(self)):
+            raise IndexError(f"corpus row out of range 0..{len(self) - 1}")
+        chunk_of = np.searchsorted(self._starts, pos, side="right") - 1
+        out: list[Passage | None] = [None] * len(pos)
+        for c in np.unique(chunk_of):
+            where = np.nonzero(chunk_of == c)[0]
+            local = pa.array(pos[where] - self._starts[c])
+            ids = self._ids.chunk(int(c)).take(local).to_pylist()
+            contents = self._contents.chunk(int(c)).take(local).to_pylist()
+            for w, i, t in zip(where, ids, contents):
+                out[w] = Passage(i, t)
+        return out
 
     def iter_batches(self, batch_rows: int = 1024, start: int = 0):
         """(first_position, [contents]) in order; used to embed the corpus."""

@@ -20,6 +20,7 @@ import logging
 import math
 import os
 import struct
+import time
 from pathlib import Path
 
 import numpy as np
@@ -84,8 +85,9 @@ def load_vectors(path: str | os.PathLike) -> np.ndarray:
 class ExactIndex:
     """Exact top-k by inner product over vectors sharded across `devices`."""
 
-    def __init__(self, vectors: np.ndarray, devices: list[str] | None = None,
-                 dtype: str | None = None, load_rows: int = 1 << 20):
+    def __init__(self, vectors: np.ndarray | torch.Tensor, devices: list[str] | None = None,
+                 dtype: str | None = None, load_rows: int = 1 << 20, fp8_prefilter: bool = False,
+                 fp8_shortlist: int = 8):
         devices = devices or (["cuda"] if torch.cuda.is_available() else ["cpu"])
         on_gpu = devices[0].startswith("cuda")
         self.dtype = getattr(torch, dtype) if dtype else (torch.float16 if on_gpu else torch.float32)
@@ -93,22 +95,44 @@ class ExactIndex:
         bounds = np.linspace(0, self.n, len(devices) + 1).astype(np.int64)
         self.shards: list[tuple[int, torch.Tensor]] = []
         for dev, lo, hi in zip(devices, bounds[:-1], bounds[1:]):
+            if torch.is_tensor(vectors) and vectors.device == torch.device(dev) and vectors.dtype == self.dtype:
+                self.shards.append((int(lo), vectors[lo:hi]))  # already in place: no copy
+                continue
             x = torch.empty((int(hi - lo), self.dim), dtype=self.dtype, device=dev)
             for a in range(lo, hi, load_rows):  # chunked copy: the file is never read whole
                 b = min(a + load_rows, hi)
-                x[a - lo:b - lo] = torch.from_numpy(np.array(vectors[a:b])).to(dev, self.dtype)
+                part = vectors[a:b] if torch.is_tensor(vectors) else torch.from_numpy(np.array(vectors[a:b]))
+                x[a - lo:b - lo] = part.to(dev, self.dtype)
             self.shards.append((int(lo), x))
+        # Optional FP8 copy for scoring at twice the tensor-core rate; see _search_fp8.
+        self.fp8 = [_to_fp8(x) for _, x in self.shards] if fp8_prefilter and on_gpu else None
+        self.fp8_shortlist = fp8_shortlist
+        if on_gpu and _fused_kernel_available(self.shards[0][1]):
+            self._tune_fused_kernel()
         log.info("exact index: %s vectors × %d on %s (%s)", f"{self.n:,}", self.dim, devices, self.dtype)
+
+    @torch.inference_mode()
+    def _tune_fused_kernel(self):
+        """Autotune the Triton kernel for each batch-size bucket now, not during the first requests."""
+        from search_r1.retrieval.triton_blockmax import BUCKETS
+        t = time.perf_counter()
+        for b in BUCKETS:
+            self.search(np.zeros((b, self.dim), dtype=np.float32), 1)
+        log.info("tuned the fused search kernel in %.1f s", time.perf_counter() - t)
 
     @torch.inference_mode()
     def search(self, q_BD: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         """Scores (B, k) float32 and row ids (B, k) int64, best first."""
         k = min(k, self.n)
         results = []
-        for offset, x in self.shards:  # kernels of different GPUs run concurrently
+        for j, (offset, x) in enumerate(self.shards):  # kernels of different GPUs run concurrently
             q = torch.from_numpy(np.asarray(q_BD, dtype=np.float32)).to(x.device, self.dtype)
-            search_fn = _search_blockmax if x.is_cuda else _search_chunked
-            s, i = search_fn(x, q, min(k, len(x)))
+            if self.fp8:
+                s, i = _search_fp8(x, *self.fp8[j], q, min(k, len(x)), self.fp8_shortlist)
+            elif x.is_cuda:
+                s, i = _search_blockmax(x, q, min(k, len(x)))
+            else:
+                s, i = _search_chunked(x, q, min(k, len(x)))
             results.append((s, i + offset))
         scores = torch.cat([s.float().cpu() for s, _ in results], dim=1)
         ids = torch.cat([i.cpu() for _, i in results], dim=1)
@@ -128,18 +152,42 @@ def _search_chunked(x_ND: torch.Tensor, q_BD: torch.Tensor, k: int, chunk: int =
     return best_s, best_i
 
 
-def _search_blockmax(x_ND: torch.Tensor, q_BD: torch.Tensor, k: int):
+def _fused_kernel_available(x_ND: torch.Tensor) -> bool:
+    if not x_ND.is_cuda or x_ND.shape[1] % 64 or x_ND.dtype not in (torch.float16, torch.bfloat16):
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _search_blockmax(x_ND: torch.Tensor, q_BD: torch.Tensor, k: int, fused: bool | None = None):
     n_full = (len(x_ND) // BLOCK) * BLOCK
     if n_full < k * BLOCK:  # tiny shard: the prefilter would not save anything
         return _search_chunked(x_ND, q_BD, k)
-    B = len(q_BD)
+    if fused is None:
+        fused = _fused_kernel_available(x_ND)
+    if fused:  # scores never leave registers; see triton_blockmax.py
+        from search_r1.retrieval.triton_blockmax import block_maxima
+        blockmax_BM = block_maxima(q_BD, x_ND, n_full)
+    else:
+        blockmax_BM = _block_maxima(lambda lo, hi: q_BD @ x_ND[lo:hi].T, len(q_BD), n_full, x_ND)
+    return _rescore_blocks(x_ND, q_BD, blockmax_BM.topk(k, dim=1).indices, k, n_full)
+
+
+def _block_maxima(score_fn, B: int, n_full: int, x_ND: torch.Tensor) -> torch.Tensor:
     rows_per_chunk = max(BLOCK, (SCORE_BUDGET_BYTES // (2 * B)) // BLOCK * BLOCK)
     blockmax_BM = torch.empty((B, n_full // BLOCK), dtype=x_ND.dtype, device=x_ND.device)
     for lo in range(0, n_full, rows_per_chunk):
         hi = min(lo + rows_per_chunk, n_full)
-        s_BC = q_BD @ x_ND[lo:hi].T
-        blockmax_BM[:, lo // BLOCK:hi // BLOCK] = s_BC.view(B, -1, BLOCK).amax(dim=2)
-    top_blocks_BK = blockmax_BM.topk(k, dim=1).indices
+        blockmax_BM[:, lo // BLOCK:hi // BLOCK] = score_fn(lo, hi)[:B].view(B, -1, BLOCK).amax(dim=2)
+    return blockmax_BM
+
+
+def _rescore_blocks(x_ND, q_BD, top_blocks_BK, k, n_full):
+    """Exact scores of every row of the chosen blocks (and of the rows after the last block)."""
+    B = len(q_BD)
     rows_BR = (top_blocks_BK[:, :, None] * BLOCK
                + torch.arange(BLOCK, device=x_ND.device)).reshape(B, -1)
     if n_full < len(x_ND):  # rows after the last whole block are always candidates
@@ -149,6 +197,35 @@ def _search_blockmax(x_ND: torch.Tensor, q_BD: torch.Tensor, k: int):
     s_BR = torch.bmm(cand_BRD, q_BD[:, :, None]).squeeze(2)
     s, pos = s_BR.topk(k, dim=1)
     return s, rows_BR.gather(1, pos)
+
+
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+def _to_fp8(x_ND: torch.Tensor, rows: int = 1 << 20):
+    scale = (x_ND.abs().amax().float() / FP8_MAX).clamp(min=1e-12)
+    x8 = torch.empty(x_ND.shape, dtype=torch.float8_e4m3fn, device=x_ND.device)
+    for lo in range(0, len(x_ND), rows):
+        x8[lo:lo + rows] = (x_ND[lo:lo + rows].float() / scale).to(torch.float8_e4m3fn)
+    return x8, scale
+
+
+def _search_fp8(x_ND, x8_ND, x_scale, q_BD, k: int, shortlist: int):
+    """Approximate block maxima from FP8 scores, then exact fp16 re-scoring of the best
+    `k * shortlist` blocks. Not exact: FP8 rounding can demote a true top-k block below the
+    shortlist; the benchmark reports its recall against the exact path."""
+    n_full = (len(x_ND) // BLOCK) * BLOCK
+    n_blocks = min(k * shortlist, n_full // BLOCK)
+    if n_blocks < k:
+        return _search_chunked(x_ND, q_BD, k)
+    B = len(q_BD)
+    q_scale = (q_BD.abs().amax().float() / FP8_MAX).clamp(min=1e-12)
+    q8 = torch.zeros(((B + 15) // 16 * 16, q_BD.shape[1]), dtype=torch.float8_e4m3fn, device=q_BD.device)
+    q8[:B] = (q_BD.float() / q_scale).to(torch.float8_e4m3fn)  # _scaled_mm wants rows % 16 == 0
+    blockmax_BM = _block_maxima(
+        lambda lo, hi: torch._scaled_mm(q8, x8_ND[lo:hi].T, scale_a=q_scale, scale_b=x_scale,
+                                        out_dtype=torch.bfloat16), B, n_full, x_ND)
+    return _rescore_blocks(x_ND, q_BD, blockmax_BM.topk(n_blocks, dim=1).indices, k, n_full)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -168,12 +245,29 @@ class DenseRetriever(Retriever):
             raise ValueError(f"index {index_path} holds {index.dim}-d vectors but the encoder "
                              f"makes {encoder.dim}-d ones: pass the encoder the index was built with")
         self.encoder, self.index, self.corpus = encoder, index, corpus
+        self.seconds = {"encode": 0.0, "search": 0.0, "fetch": 0.0}
+        self.calls = 0
+
+    def stats(self) -> dict:
+        return {"calls": self.calls, "seconds": {k: round(v, 3) for k, v in self.seconds.items()}}
+
+    def warmup(self) -> None:
+        for b in (1, 8, 64, 512):
+            self.search(["warm-up query"] * b, 3)
 
     def search(self, queries: list[str], topk: int) -> list[list[Hit]]:
+        t0 = time.perf_counter()
         q_BD = self.encoder.encode_queries(queries)
+        t1 = time.perf_counter()
         scores_BK, ids_BK = self.index.search(q_BD, topk)
+        t2 = time.perf_counter()
         valid_BK = ids_BK >= 0  # FAISS marks missing results with -1
         passages = iter(self.corpus.get_many(ids_BK[valid_BK].tolist()))
-        return [[Hit(next(passages), float(scores_BK[b, j]))
+        hits = [[Hit(next(passages), float(scores_BK[b, j]))
                  for j in range(ids_BK.shape[1]) if valid_BK[b, j]]
                 for b in range(len(queries))]
+        t3 = time.perf_counter()
+        self.calls += 1
+        for phase, dt in (("encode", t1 - t0), ("search", t2 - t1), ("fetch", t3 - t2)):
+            self.seconds[phase] += dt
+        return hits

@@ -1,0 +1,180 @@
+"""The whole retrieval server under load: queries/s and p50/p99 latency vs concurrent clients.
+
+The server runs as its own process exactly as `search-r1 serve` runs it (FastAPI, uvicorn, the
+batching worker, the encoder, the exact index, the memory-mapped corpus), over synthetic data:
+N random unit vectors, a corpus of N short passages, and a BERT-base-shaped encoder with random
+weights and a real tokenizer (the e5-base-v2 shape; weights do not change the cost). Clients run
+in several processes so the load generator is not the bottleneck.
+
+    python benchmarks/bench_server.py --n 21015324 --clients 1,16,64 --queries-per-request 8
+    python benchmarks/bench_server.py --quick      # CPU smoke run (CI)
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import os
+import random
+import subprocess
+import sys
+import time
+
+import httpx
+import numpy as np
+
+WORDS = ("capital city country river mountain king queen war born died president album film "
+         "novel author team league planet element language currency ocean island museum").split()
+
+
+def build_synthetic(n: int, dim: int, out_dir: str, tokenizer: str, encoder_layers: int):
+    """Corpus (Arrow), encoder dir (random BERT of the e5-base shape) and the vectors (GPU)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    import torch
+    from transformers import AutoTokenizer, BertConfig, BertModel
+
+    from search_r1.retrieval.corpus import SCHEMA
+
+    os.makedirs(out_dir, exist_ok=True)
+    corpus = os.path.join(out_dir, "corpus.arrow")
+    if not os.path.exists(corpus):
+        with pa.OSFile(corpus, "wb") as sink, pa.ipc.new_file(sink, SCHEMA) as w:
+            for lo in range(0, n, 1 << 20):
+                ids = pa.array(np.arange(lo, min(n, lo + (1 << 20))).astype(str))
+                contents = pc.binary_join_element_wise('"Passage ', ids,
+                                                       '"\nSynthetic text of passage number ', ids, "")
+                w.write_batch(pa.record_batch([ids, contents.cast(pa.large_string())], schema=SCHEMA))
+    enc_dir = os.path.join(out_dir, "encoder-e5-shape")
+    if not os.path.exists(os.path.join(enc_dir, "config.json")):
+        tok = AutoTokenizer.from_pretrained(tokenizer)
+        torch.manual_seed(0)
+        cfg = BertConfig(vocab_size=tok.vocab_size, hidden_size=dim, num_hidden_layers=encoder_layers,
+                         num_attention_heads=max(1, dim // 64), intermediate_size=4 * dim)
+        BertModel(cfg).save_pretrained(enc_dir)
+        tok.save_pretrained(enc_dir)
+    return corpus, enc_dir
+
+
+def serve_synthetic(a):
+    import torch
+
+    from search_r1.retrieval.corpus import Corpus
+    from search_r1.retrieval.dense import DenseRetriever, ExactIndex
+    from search_r1.retrieval.encoders import Encoder, EncoderSpec
+    from search_r1.retrieval.server import ServerConfig, serve
+    sys.path.insert(0, os.path.dirname(__file__))
+    from bench_dense_search import make_vectors
+
+    corpus, enc_dir = build_synthetic(a.n, a.dim, a.workdir, a.tokenizer, a.encoder_layers)
+    device = "cuda" if torch.cuda.is_available() and not a.quick else "cpu"
+    x = make_vectors(a.n, a.dim, device, torch.float16 if device == "cuda" else torch.float32)
+    index = ExactIndex(x, [device])
+    encoder = Encoder(enc_dir, device=device, spec=EncoderSpec.for_model("e5"), batch_size=512)
+    retriever = DenseRetriever(encoder, index, Corpus(corpus), "synthetic")
+    serve(retriever, ServerConfig(max_batch=a.max_batch, max_wait_ms=a.max_wait_ms,
+                                  max_pending=1 << 20), port=a.port, name="synthetic-e5")
+
+
+def client_process(url, n_clients, q_per_req, duration, seed, results):
+    async def one(i, lat):
+        rng = random.Random(seed * 1000 + i)
+        async with httpx.AsyncClient(timeout=60) as http:
+            end = time.perf_counter() + duration
+            while time.perf_counter() < end:
+                qs = [" ".join(rng.choices(WORDS, k=rng.randint(4, 12))) for _ in range(q_per_req)]
+                t = time.perf_counter()
+                r = await http.post(url, json={"queries": qs, "topk": 3, "return_scores": True})
+                r.raise_for_status()
+                lat.append(time.perf_counter() - t)
+
+    async def run():
+        lat = []
+        await asyncio.gather(*[one(i, lat) for i in range(n_clients)])
+        return lat
+
+    results.put(asyncio.run(run()))
+
+
+def load(url, clients, q_per_req, duration, procs):
+    procs = min(procs, clients)
+    results = mp.get_context("spawn").Queue()
+    per = [clients // procs + (i < clients % procs) for i in range(procs)]
+    ps = [mp.get_context("spawn").Process(target=client_process,
+                                          args=(url, c, q_per_req, duration, i, results))
+          for i, c in enumerate(per)]
+    t = time.perf_counter()
+    for p in ps:
+        p.start()
+    lat = [x for _ in ps for x in results.get()]
+    wall = time.perf_counter() - t
+    for p in ps:
+        p.join()
+    lat_ms = np.array(lat) * 1e3
+    return {"clients": clients, "queries_per_request": q_per_req, "requests": len(lat),
+            "qps": round(len(lat) * q_per_req / duration, 1),
+            "p50_ms": round(float(np.percentile(lat_ms, 50)), 2),
+            "p99_ms": round(float(np.percentile(lat_ms, 99)), 2), "wall_s": round(wall, 1)}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--n", type=int, default=21_015_324)
+    p.add_argument("--dim", type=int, default=768)
+    p.add_argument("--encoder-layers", type=int, default=12)
+    p.add_argument("--tokenizer", default="all-MiniLM-L6-v2", help="any BERT-vocabulary tokenizer")
+    p.add_argument("--clients", default="1,16,64")
+    p.add_argument("--queries-per-request", type=int, default=8)
+    p.add_argument("--duration", type=float, default=10.0)
+    p.add_argument("--client-procs", type=int, default=8)
+    p.add_argument("--max-batch", type=int, default=512)
+    p.add_argument("--max-wait-ms", type=float, default=2.0)
+    p.add_argument("--port", type=int, default=8765)
+    p.add_argument("--workdir", default="outputs/bench_server")
+    p.add_argument("--quick", action="store_true", help="tiny CPU run (CI)")
+    p.add_argument("--out", help="append results as JSON lines")
+    p.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    from search_r1.retrieval.models import resolve_model
+    a.tokenizer = resolve_model(a.tokenizer)
+    if a.quick:
+        a.n, a.dim, a.encoder_layers, a.clients, a.duration, a.client_procs = 5000, 64, 2, "1,4", 2.0, 2
+    if a.serve:
+        return serve_synthetic(a)
+    args = [sys.executable, __file__, "--serve"] + [x for x in (argv or sys.argv[1:]) if x != "--serve"]
+    args += ["--tokenizer", a.tokenizer]
+    server = subprocess.Popen(args, env={**os.environ, "PYTHONPATH": os.pathsep.join(
+        [os.getcwd(), os.environ.get("PYTHONPATH", "")])})
+    url = f"http://127.0.0.1:{a.port}"
+    try:
+        t = time.perf_counter()
+        while True:
+            if server.poll() is not None:
+                raise SystemExit("server exited during start-up")
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.5)
+        print(f"server ready in {time.perf_counter() - t:.1f} s", flush=True)
+        rows = []
+        for c in map(int, a.clients.split(",")):
+            row = {"n": a.n, **load(url + "/retrieve", c, a.queries_per_request, a.duration, a.client_procs)}
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+        print("worker phases:", httpx.get(url + "/health").json().get("stats"))
+        metrics = httpx.get(url + "/metrics").text
+        print("\n".join(l for l in metrics.splitlines() if l.startswith("retrieval_batch_queries_sum")
+                        or l.startswith("retrieval_batch_queries_count")))
+        if a.out:
+            with open(a.out, "a") as f:
+                for r in rows:
+                    f.write(json.dumps(r) + "\n")
+    finally:
+        server.terminate()
+        server.wait(30)
+
+
+if __name__ == "__main__":
+    main()
