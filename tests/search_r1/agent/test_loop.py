@@ -1,0 +1,227 @@
+"""The agent loop with a scripted engine (every finish reason, truncation, invalid actions,
+retriever down or slow) and with the real vLLM CPU engine against a real retrieval server."""
+import asyncio
+import time
+
+import pytest
+
+from search_r1.agent.engines import Generation, SamplingConfig
+from search_r1.agent.loop import (INVALID_ACTION, SEARCH_FAILED, AgentConfig, Finish, HTTPSearcher,
+                                  Schedule, SearchAgent)
+from search_r1.models import load_smollm2_tokenizer
+from search_r1.retrieval.client import RetrieverConfig
+from conftest import free_port, vllm_skip_reason
+
+GREEDY = SamplingConfig(temperature=0, max_tokens=256)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_smollm2_tokenizer()
+
+
+class ScriptedEngine:
+    """Stands in for the model: each prompt has a script of turn texts. It behaves like a real
+    engine: stops right after a stop string (included), appends EOS for a turn marked `<eos>`,
+    and cuts at max_tokens with finish "length". It records every id it returned."""
+
+    def __init__(self, tokenizer, scripts: dict[str, list[str]]):
+        self.tokenizer = tokenizer
+        self.scripts = {tuple(tokenizer.encode(k)): list(v) for k, v in scripts.items()}
+        self.calls: dict[tuple, int] = {}
+        self.generated: dict[tuple, list[list[int]]] = {}
+
+    def _one(self, prompt, sampling, stop):
+        key = next(k for k in self.scripts if tuple(prompt[:len(k)]) == k)
+        turn = self.calls.get(key, 0)
+        self.calls[key] = turn + 1
+        text = self.scripts[key][min(turn, len(self.scripts[key]) - 1)]
+        eos = text.endswith("<eos>")
+        text = text.removesuffix("<eos>")
+        hits = [(text.find(s) + len(s), s) for s in stop if s in text]
+        stop_reason = None
+        if hits:
+            end, stop_reason = min(hits)
+            text = text[:end]
+        ids = self.tokenizer.encode(text)
+        if eos and not hits:
+            ids.append(self.tokenizer.eos_token_id)
+        gen = Generation(ids, "stop", stop_reason)
+        if len(ids) > sampling.max_tokens:
+            gen = Generation(ids[:sampling.max_tokens], "length", None)
+        elif not hits and not eos:
+            gen = Generation(ids, "length", None)
+        self.generated.setdefault(key, []).append(gen.token_ids)
+        return gen
+
+    def generate(self, prompts, sampling, stop):
+        return [self._one(p, sampling, stop) for p in prompts]
+
+    async def generate_one(self, prompt, sampling, stop):
+        await asyncio.sleep(0)
+        return self._one(prompt, sampling, stop)
+
+
+class DictSearcher:
+    """A retriever over a dict; can fail or be slow. Stands in for the server in unit tests."""
+
+    def __init__(self, docs=None, fail=False, delay=0.0):
+        self.docs = docs or {}
+        self.fail, self.delay, self.batches = fail, delay, []
+
+    def _hits(self, q, topk):
+        text = self.docs.get(q, f"Nothing about {q}.")
+        return [{"document": {"id": str(i), "contents": f'"{q} {i}"\n{text}'}, "score": 1.0 - i}
+                for i in range(topk)]
+
+    def search(self, queries, topk):
+        self.batches.append(list(queries))
+        if self.fail:
+            raise ConnectionError("retriever down")
+        time.sleep(self.delay)
+        return [self._hits(q, topk) for q in queries]
+
+    async def asearch(self, queries, topk):
+        if self.fail:
+            raise ConnectionError("retriever down")
+        await asyncio.sleep(self.delay)
+        return [self._hits(q, topk) for q in queries]
+
+
+def run(tokenizer, scripts, searcher=None, schedule=Schedule.SYNC, **cfg):
+    engine = ScriptedEngine(tokenizer, scripts)
+    agent = SearchAgent(engine, searcher or DictSearcher(), AgentConfig(schedule=schedule, **cfg))
+    prompts = [tokenizer.encode(k) for k in scripts]
+    return agent.run(prompts, GREEDY), engine
+
+
+def segments(t):
+    """(model?, text) runs of the response."""
+    out, start = [], 0
+    for i in range(1, len(t.loss_mask) + 1):
+        if i == len(t.loss_mask) or t.loss_mask[i] != t.loss_mask[start]:
+            out.append((bool(t.loss_mask[start]), t.response_ids[start:i]))
+            start = i
+    return out
+
+
+@pytest.mark.parametrize("schedule", list(Schedule))
+def test_search_then_answer(tokenizer, schedule):
+    searcher = DictSearcher({"capital of Japan": "Tokyo is the capital of Japan."})
+    (t,), engine = run(tokenizer, {"Q1:": ["<think>look up</think><search> capital of Japan </search> extra",
+                                           "<think>found</think><answer> Tokyo </answer> trailing"]},
+                       searcher, schedule)
+    assert t.finish == Finish.ANSWER and t.searches == 1 and t.turns == 2 and t.valid_actions == 2
+    segs = segments(t)
+    assert [m for m, _ in segs] == [True, False, True]
+    # the model's tokens are exactly what the engine returned, nothing after the stop tag
+    key = next(iter(engine.generated))
+    assert [ids for m, ids in segs if m] == engine.generated[key]
+    obs = tokenizer.decode(segs[1][1])
+    assert obs.startswith("\n\n<information>Doc 1(Title: capital of Japan 0) Tokyo is the capital")
+    assert obs.endswith("</information>\n\n") and "Doc 3(Title:" in obs
+    assert tokenizer.decode(t.response_ids).endswith("<answer> Tokyo </answer>")
+
+
+@pytest.mark.parametrize("schedule", list(Schedule))
+def test_finish_reasons(tokenizer, schedule):
+    scripts = {
+        "A:": ["<answer> yes </answer>"],
+        "B:": ["I am done.<eos>"],
+        "C:": ["<search> again </search>"],          # searches forever
+        "D:": ["word " * 400],                        # never stops
+        "E:": ["<search></search>", "<answer> x </answer>"],  # invalid, then answers
+    }
+    ts, _ = run(tokenizer, scripts, schedule=schedule, max_turns=2, max_response_length=200)
+    a, b, c, d, e = ts
+    assert a.finish == Finish.ANSWER and a.loss_mask == [1] * len(a.response_ids)
+    assert b.finish == Finish.EOS and b.response_ids[-1] == tokenizer.eos_token_id
+    assert c.finish == Finish.MAX_TURNS and c.searches == 2 and c.turns == 3
+    assert d.finish == Finish.LENGTH and len(d.response_ids) == 200
+    assert e.finish == Finish.ANSWER and e.invalid_actions == 1 and e.searches == 0
+    assert tokenizer.encode(INVALID_ACTION) == segments(e)[1][1]
+    for t in ts:
+        assert len(t.response_ids) == len(t.loss_mask) <= 200
+
+
+def test_observation_truncated_keeps_closing_tag(tokenizer):
+    searcher = DictSearcher({"q": "long passage " * 200})
+    (t,), _ = run(tokenizer, {"Q:": ["<search>q</search>", "<answer>a</answer>"]}, searcher,
+                  max_obs_length=40)
+    obs = segments(t)[1][1]
+    assert len(obs) == 40 and tokenizer.decode(obs).endswith("</information>\n\n")
+
+
+def test_observation_that_does_not_fit_cuts_the_trajectory(tokenizer):
+    searcher = DictSearcher({"q": "long passage " * 200})
+    (t,), _ = run(tokenizer, {"Q:": ["<search>q</search>", "<answer>a</answer>"]}, searcher,
+                  max_obs_length=500, max_response_length=100)
+    assert t.finish == Finish.LENGTH and len(t.response_ids) <= 100 and t.searches == 1
+
+
+def test_sync_schedule_batches_retrieval(tokenizer):
+    searcher = DictSearcher()
+    scripts = {f"P{i}:": [f"<search> q{i} </search>", "<answer> a </answer>"] for i in range(5)}
+    run(tokenizer, scripts, searcher)
+    assert searcher.batches == [[f"q{i}" for i in range(5)]]
+
+
+@pytest.mark.parametrize("schedule", list(Schedule))
+def test_retriever_down_never_crashes(tokenizer, schedule):
+    # a real client against a port nobody listens on: retries, then the search is marked failed
+    port = free_port()
+    searcher = HTTPSearcher(RetrieverConfig(url=f"http://127.0.0.1:{port}/retrieve", retries=1,
+                                            backoff_s=0.01, timeout_s=2))
+    (t,), _ = run(tokenizer, {"Q:": ["<search> x </search>", "<answer> a </answer>"]}, searcher, schedule)
+    assert t.retrieval_failed and t.finish == Finish.ANSWER
+    assert tokenizer.decode(segments(t)[1][1]) == SEARCH_FAILED
+
+
+def test_slow_retriever_hits_overall_timeout(tokenizer):
+    searcher = DictSearcher(delay=5.0)
+    t0 = time.monotonic()
+    (t,), _ = run(tokenizer, {"Q:": ["<search> x </search>", "<answer> a </answer>"]}, searcher,
+                  Schedule.ASYNC, timeout_s=0.5)
+    assert time.monotonic() - t0 < 3 and t.finish == Finish.TIMEOUT
+
+
+def test_sync_and_async_agree(tokenizer):
+    scripts = {f"P{i}:": [f"<search> q{i} </search>"] * i + ["<answer> a </answer>"] for i in range(4)}
+    sync, _ = run(tokenizer, scripts, schedule=Schedule.SYNC)
+    asyn, _ = run(tokenizer, scripts, schedule=Schedule.ASYNC)
+    for a, b in zip(sync, asyn):
+        assert (a.response_ids, a.loss_mask, a.finish, a.searches) == \
+               (b.response_ids, b.loss_mask, b.finish, b.searches)
+
+
+# ---------------------------------------------------------------------------------------------
+# Real engine, real server
+
+def test_vllm_agent_against_real_retrieval_server(smollm2_dir, dense_server):
+    """SmolLM2-135M on vLLM CPU. The prompt ends with an open <search> tag, which the small model
+    reliably closes, so the real search path runs: stop handling in the engine, the HTTP client,
+    the server, observation tokens; greedy, so both schedules must agree."""
+    if reason := vllm_skip_reason():
+        pytest.skip(reason)
+    from search_r1.agent.engines import VLLMEngine
+    from search_r1.data.templates import make_prompt
+
+    engine = VLLMEngine(smollm2_dir, seed=0, max_model_len=2048, kv_cache_memory_bytes=256 << 20)
+    tok = engine.tokenizer
+    prompts = []
+    for q in ["What is the capital of Japan?", "Who painted the Mona Lisa?"]:
+        text = tok.apply_chat_template(make_prompt(q), add_generation_prompt=True, tokenize=False)
+        prompts.append(tok(text + "<think> I will search. </think>\n<search>").input_ids)
+    searcher = HTTPSearcher(RetrieverConfig(url=dense_server.url + "/retrieve"))
+    results = {}
+    for schedule in Schedule:
+        agent = SearchAgent(engine, searcher, AgentConfig(max_turns=1, max_response_length=160,
+                                                          schedule=schedule))
+        results[schedule] = agent.run(prompts, SamplingConfig(temperature=0, max_tokens=64))
+    for t in results[Schedule.SYNC]:
+        assert t.searches >= 1 and not t.retrieval_failed
+        obs = tok.decode([i for i, m in zip(t.response_ids, t.loss_mask) if m == 0])
+        assert "<information>Doc 1(Title:" in obs and "</information>" in obs
+        assert len(t.response_ids) <= 160
+    for a, b in zip(results[Schedule.SYNC], results[Schedule.ASYNC]):
+        assert a.response_ids == b.response_ids and a.loss_mask == b.loss_mask

