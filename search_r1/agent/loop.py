@@ -127,9 +127,12 @@ def format_passages(hits: list[dict]) -> str:
 
 
 class SearchAgent:
-    def __init__(self, engine, searcher: Searcher, cfg: AgentConfig | None = None):
+    def __init__(self, engine, searcher: Searcher, cfg: AgentConfig | None = None, on_event=None):
         self.engine, self.searcher = engine, searcher
         self.cfg = cfg or AgentConfig()
+        # Optional callback(trajectory, kind, token_ids) as the rollout goes: kind is "model"
+        # (a turn's tokens) or "observation"; infer.py uses it to show progress live.
+        self.on_event = on_event or (lambda *a: None)
         tok = engine.tokenizer
         self._encode = lambda text: tok.encode(text, add_special_tokens=False)
         self._open_ids = self._encode("\n\n<information>")
@@ -151,6 +154,7 @@ class SearchAgent:
         # stay as generated.
         context = (t.prompt_ids + t.response_ids)[-8:]
         t.append(gen.token_ids, model=True)
+        self.on_event(t, "model", gen.token_ids)
         t.turns += 1
         if gen.stop_reason == "</answer>":
             t.valid_actions += 1
@@ -180,6 +184,7 @@ class SearchAgent:
             t.finish = Finish.LENGTH  # no room left to read it and answer: cut here
             return
         t.append(ids, model=False)
+        self.on_event(t, "observation", ids)
 
     def _sampling(self, t: Trajectory, base: SamplingConfig) -> SamplingConfig:
         room = self.cfg.max_response_length - len(t.response_ids)

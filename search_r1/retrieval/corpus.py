@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import mmap
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -99,8 +100,13 @@ class Corpus:
         if not path.exists():
             raise FileNotFoundError(f"corpus file {path} does not exist")
         self.path = path
-        self._source = pa.memory_map(str(path), "r")
-        table = pa.ipc.open_file(self._source).read_all()
+        # Passages are read at random positions: tell the kernel not to read ahead, or each
+        # lookup pulls ~100 KB of neighbours into the page cache (10 GB after 150k lookups).
+        with open(path, "rb") as f:
+            self._mmap = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        if hasattr(self._mmap, "madvise"):
+            self._mmap.madvise(mmap.MADV_RANDOM)
+        table = pa.ipc.open_file(pa.BufferReader(pa.py_buffer(self._mmap))).read_all()  # zero-copy
         if table.schema.names[:2] != ["id", "contents"]:
             raise ValueError(f"{path} is not a converted corpus (columns {table.schema.names})")
         self._ids = table.column("id")
@@ -121,15 +127,12 @@ class Corpus:
         if len(pos) and (pos.min() < 0 or pos.max() >= len(self)):
             raise IndexError(f"corpus row out of range 0..{len(self) - 1}")
         chunk_of = np.searchsorted(self._starts, pos, side="right") - 1
-        out: list[Passage | None] = [None] * len(pos)
-        for c in np.unique(chunk_of):
-            where = np.nonzero(chunk_of == c)[0]
-            local = pa.array(pos[where] - self._starts[c])
-            ids = self._ids.chunk(int(c)).take(local).to_pylist()
-            contents = self._contents.chunk(int(c)).take(local).to_pylist()
-            for w, i, t in zip(where, ids, contents):
-                out[w] = Passage(i, t)
-        return out
+        local = pos - self._starts[chunk_of]
+        # Element access touches only the pages of the rows asked for; a vectorised `take`
+        # touched megabytes per record batch (2 GB of page cache for 1,000 random rows).
+        ids, contents = self._ids.chunks, self._contents.chunks
+        return [Passage(ids[c][j].as_py(), contents[c][j].as_py())
+                for c, j in zip(chunk_of.tolist(), local.tolist())]
 
     def iter_batches(self, batch_rows: int = 1024, start: int = 0):
         """(first_position, [contents]) in order; used to embed the corpus."""

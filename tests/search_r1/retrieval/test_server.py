@@ -180,3 +180,29 @@ def test_api_key(real_retriever):
         assert post(server, {"queries": ["x"]}, headers={"Authorization": "Bearer s3cret"}).status_code == 200
     finally:
         server.stop()
+
+
+def test_retrieval_launch_script(dense_index, corpus_jsonl, tmp_path):
+    """The launcher with the original's flags, pointed at the test corpus by environment."""
+    import os
+    import subprocess
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[3]
+    port = free_port()
+    env = {**os.environ, "INDEX_PATH": str(dense_index), "CORPUS_PATH": str(corpus_jsonl),
+           "RETRIEVER_NAME": "minilm", "RETRIEVER_MODEL": "all-MiniLM-L6-v2"}
+    proc = subprocess.Popen(["bash", str(root / "retrieval_launch.sh"), "--port", str(port)], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            try:
+                r = httpx.post(f"http://127.0.0.1:{port}/retrieve", json={"queries": ["capital of Japan"]})
+                break
+            except httpx.TransportError:
+                assert proc.poll() is None, "launcher exited"
+                time.sleep(0.3)
+        assert r.status_code == 200 and len(r.json()["result"][0]) == 3
+    finally:
+        proc.terminate()
+        proc.wait(10)

@@ -1,0 +1,115 @@
+"""Ask a question to a search agent model and watch it think, search, read and answer.
+
+    python infer.py "Which country is the city of Lyon in?" --model PATH_OR_HUB_ID \
+        --retriever-url http://127.0.0.1:8000/retrieve
+    python infer.py                      # interactive: one question per line
+
+Each model turn is printed as soon as it is generated, coloured by tag (think, search,
+information, answer), followed by the passages the retriever returned. Offline it works with a
+local model directory; without --model it uses the bundled SmolLM2-135M-Instruct.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+
+COLOURS = {"think": "\033[2m", "search": "\033[33;1m", "information": "\033[36m",
+           "answer": "\033[32;1m"}
+RESET = "\033[0m"
+TAG = re.compile(r"(</?(?:think|search|information|answer)>)")
+
+
+def colourise(text: str, state: list[str], enabled: bool) -> str:
+    """Colour text by the tag it sits in; `state` carries the open tag across calls."""
+    if not enabled:
+        return text
+    out = []
+    for part in TAG.split(text):
+        m = re.fullmatch(r"<(/?)(\w+)>", part)
+        if m:
+            state[0] = "" if m.group(1) else m.group(2)
+            out.append(COLOURS.get(m.group(2), "") + part + RESET)
+        else:
+            out.append(COLOURS.get(state[0], "") + part + RESET if state[0] else part)
+    return "".join(out)
+
+
+def build_parser():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("question", nargs="?", help="omit for an interactive prompt")
+    p.add_argument("--model", help="model dir or hub id (default: bundled SmolLM2-135M-Instruct)")
+    p.add_argument("--retriever-url", default="http://127.0.0.1:8000/retrieve")
+    p.add_argument("--engine", choices=["hf", "vllm"], default="hf")
+    p.add_argument("--device", default=None, help="hf engine: cpu or cuda (default: cuda if present)")
+    p.add_argument("--template", choices=["instruct", "base"], default="instruct")
+    p.add_argument("--max-turns", type=int, default=4)
+    p.add_argument("--max-response-length", type=int, default=2048)
+    p.add_argument("--topk", type=int, default=3)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--no-colour", action="store_true")
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    import torch
+
+    from search_r1.agent.engines import HFEngine, SamplingConfig, VLLMEngine
+    from search_r1.agent.loop import AgentConfig, HTTPSearcher, SearchAgent
+    from search_r1.data.templates import make_prompt, make_prompt_text
+    from search_r1.retrieval.client import RetrieverConfig
+
+    model = args.model
+    if model is None:
+        from search_r1.models import materialize_smollm2
+        model = materialize_smollm2(os.path.join(os.path.expanduser("~"), ".cache", "search_r1", "smollm2"))
+    if args.engine == "vllm":
+        engine = VLLMEngine(model, max_model_len=args.max_response_length + 1024)
+    else:
+        device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        engine = HFEngine(model, device=device, dtype="bfloat16" if device == "cuda" else "float32")
+    tok = engine.tokenizer
+    colour = sys.stdout.isatty() and not args.no_colour
+    searcher = HTTPSearcher(RetrieverConfig(url=args.retriever_url, topk=args.topk, retries=2))
+    state = [""]
+
+    def show(trajectory, kind, ids):
+        text = tok.decode(ids, skip_special_tokens=True)
+        print(colourise(text, state, colour), end="", flush=True)
+
+    agent = SearchAgent(engine, searcher, AgentConfig(max_turns=args.max_turns, topk=args.topk,
+                                                      max_response_length=args.max_response_length),
+                        on_event=show)
+
+    def ask(question: str):
+        if args.template == "instruct" and tok.chat_template:
+            prompt = tok.apply_chat_template(make_prompt(question), add_generation_prompt=True, tokenize=False)
+        else:
+            prompt = make_prompt_text(question, "base")
+        state[0] = ""
+        (t,) = agent.run([tok(prompt, add_special_tokens=False).input_ids],
+                         SamplingConfig(temperature=args.temperature, max_tokens=args.max_response_length))
+        from search_r1.rewards import extract_answer
+        answer = extract_answer(tok.decode(t.response_ids, skip_special_tokens=True))
+        print(f"\n\nanswer: {answer!r}   ({t.searches} searches, finished by {t.finish}"
+              f"{', retrieval failed' if t.retrieval_failed else ''})")
+
+    if args.question:
+        ask(args.question)
+        return 0
+    print("Ask a question (empty line or Ctrl-D to quit).")
+    while True:
+        try:
+            question = input("? ").strip()
+        except (EOFError, KeyboardInterrupt):
+            return 0
+        if not question:
+            return 0
+        ask(question)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

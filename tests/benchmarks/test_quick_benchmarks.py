@@ -1,0 +1,26 @@
+"""Every benchmark script runs in its --quick mode, so none can rot unnoticed."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPTS = ["bench_dense_search.py", "bench_corpus.py", "bench_server.py", "bench_cpu_indexes.py"]
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_quick(script, tmp_path):
+    if not (ROOT / "benchmarks" / script).exists():
+        pytest.fail(f"benchmarks/{script} is missing")
+    out = tmp_path / "out.jsonl"
+    args = [sys.executable, str(ROOT / "benchmarks" / script), "--quick", "--out", str(out)]
+    if script in ("bench_corpus.py", "bench_server.py"):
+        args += ["--workdir", str(tmp_path / "work")]
+    r = subprocess.run(args, capture_output=True, text=True, timeout=300, cwd=ROOT,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert rows, "no results written"

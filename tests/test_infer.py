@@ -1,0 +1,28 @@
+"""infer.py through its command line: a real model (tiny, random) and the real retrieval server."""
+import subprocess
+import sys
+from pathlib import Path
+
+import infer
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_colourise_follows_tags_across_calls():
+    state = [""]
+    out = infer.colourise("<think>hmm", state, True) + infer.colourise(" more</think> plain", state, True)
+    assert "\033[2mhmm" in out and "\033[2m more" in out and out.endswith(" plain")
+    assert infer.colourise("<answer>x</answer>", [""], False) == "<answer>x</answer>"
+
+
+def test_infer_question_and_interactive(tiny_model_dir, dense_server):
+    base = [sys.executable, str(ROOT / "infer.py"), "--model", tiny_model_dir, "--retriever-url",
+            dense_server.url + "/retrieve", "--max-response-length", "48", "--no-colour"]
+    r = subprocess.run(base + ["What is the capital of Japan?"], capture_output=True, text=True,
+                       timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "answer:" in r.stdout and "finished by" in r.stdout
+    r = subprocess.run(base, input="Who painted the Mona Lisa?\n\n", capture_output=True, text=True,
+                       timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.count("answer:") == 1 and "Ask a question" in r.stdout
