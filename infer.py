@@ -57,7 +57,7 @@ def main(argv=None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     import torch
 
-    from search_r1.agent.engines import HFEngine, SamplingConfig, VLLMEngine
+    from verl.workers.rollout.engines import HFEngine, SamplingConfig, VLLMEngine
     from search_r1.agent.loop import AgentConfig, HTTPSearcher, SearchAgent
     from search_r1.data.templates import make_prompt, make_prompt_text
     from search_r1.retrieval.client import RetrieverConfig

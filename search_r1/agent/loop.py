@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Protocol
 
-from search_r1.agent.engines import SamplingConfig
+from verl.workers.rollout.engines import SamplingConfig
 
 log = logging.getLogger(__name__)
 
@@ -272,3 +272,24 @@ class SearchAgent:
         for t in trajectories:
             if not t.done:
                 t.finish = Finish.TIMEOUT
+
+
+class SearchAgentLoop:
+    """The search agent as a trainer agent loop
+    (`actor_rollout_ref.rollout.agent_loop=search_r1.agent.loop:SearchAgentLoop`)."""
+
+    def __init__(self, engine, max_turns: int = 4, max_response_length: int = 500,
+                 max_obs_length: int = 500, retriever_url: str = "http://127.0.0.1:8000/retrieve",
+                 topk: int = 3, schedule: str = "sync", **_ignored):
+        from search_r1.retrieval.client import RetrieverConfig
+        # The whole response may hold every turn's generation and observation.
+        budget = (max_turns + 1) * max_response_length + max_turns * max_obs_length
+        cfg = AgentConfig(max_turns=max_turns, max_response_length=budget, max_obs_length=max_obs_length,
+                          topk=topk, schedule=Schedule(schedule))
+        self.agent = SearchAgent(engine, HTTPSearcher(RetrieverConfig(url=retriever_url, topk=topk)), cfg)
+        self.max_tokens_per_turn = max_response_length
+
+    def run(self, prompts, sampling):
+        sampling = SamplingConfig(sampling.temperature, sampling.top_p,
+                                  min(sampling.max_tokens, self.max_tokens_per_turn), sampling.seed)
+        return self.agent.run(prompts, sampling)

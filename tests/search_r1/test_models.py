@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from search_r1.agent.engines import Generation, HFEngine, SamplingConfig, VLLMEngine
+from verl.workers.rollout.engines import Generation, HFEngine, SamplingConfig, VLLMEngine
 from search_r1.models import make_tiny_model, materialize_smollm2
 
 

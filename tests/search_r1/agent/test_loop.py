@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from search_r1.agent.engines import Generation, SamplingConfig
+from verl.workers.rollout.engines import Generation, SamplingConfig
 from search_r1.agent.loop import (INVALID_ACTION, SEARCH_FAILED, AgentConfig, Finish, HTTPSearcher,
                                   Schedule, SearchAgent)
 from search_r1.models import load_smollm2_tokenizer
@@ -203,7 +203,7 @@ def test_vllm_agent_against_real_retrieval_server(smollm2_dir, dense_server):
     the server, observation tokens; greedy, so both schedules must agree."""
     if reason := vllm_skip_reason():
         pytest.skip(reason)
-    from search_r1.agent.engines import VLLMEngine
+    from verl.workers.rollout.engines import VLLMEngine
     from search_r1.data.templates import make_prompt
 
     engine = VLLMEngine(smollm2_dir, seed=0, max_model_len=2048, kv_cache_memory_bytes=256 << 20)

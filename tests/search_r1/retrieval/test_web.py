@@ -275,6 +275,10 @@ def test_concurrency_limit_is_respected(make, fake):
 def test_api_key_never_reaches_logs_or_cache(make, fake, tmp_path, caplog, engine):
     key = KEYS[KEY_ENV[engine][0]]
     fake.plan["fails"] = [500] * 10
+    # Libraries imported earlier in the session (vLLM's logging set-up) may have disabled
+    # existing loggers; this test needs httpx's records to prove they are redacted.
+    for name in ("httpx", "httpcore", "search_r1.retrieval.web"):
+        logging.getLogger(name).disabled = False
     caplog.set_level(logging.DEBUG)
     r = make(engine, cache_dir=tmp_path, retries=1)
     r.search(["works", "fails"], topk=2)

@@ -9,7 +9,7 @@ import asyncio
 
 import pytest
 
-from search_r1.agent.engines import (AsyncVLLMEngine, Generation, HFEngine, SamplingConfig,
+from verl.workers.rollout.engines import (AsyncVLLMEngine, Generation, HFEngine, SamplingConfig,
                                      VLLMEngine, make_engine)
 from search_r1.models import make_tiny_model
 

@@ -20,10 +20,12 @@ engine is seeded once at construction and `SamplingConfig.seed` is ignored with 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import itertools
 import logging
 import os
+import sys
 from dataclasses import astuple, dataclass
 from enum import StrEnum
 from typing import Any, Protocol
@@ -112,6 +114,19 @@ class _MicroBatcher:
                         future.set_result(generation)
 
 
+@contextlib.contextmanager
+def _hidden_from_vllm_module_scan():
+    """vLLM's CPU start-up walks every module in sys.modules and fails on llvmlite's FFI wrappers
+    ("'_lib_fn_wrapper' object has no attribute 'get'"), which are loaded once anything imports
+    numba (bm25s does). Hide those modules while the engine starts; they are put back after."""
+    hidden = {name: sys.modules.pop(name) for name in list(sys.modules)
+              if name.split(".")[0] in ("llvmlite", "numba")}
+    try:
+        yield
+    finally:
+        sys.modules.update(hidden)
+
+
 def _on_cpu() -> bool:
     from vllm.platforms import current_platform
 
@@ -181,16 +196,17 @@ class VLLMEngine:
         from vllm import LLM
 
         self.on_cpu = _on_cpu()
-        self.llm = LLM(
-            model=model_path,
-            seed=seed,
-            gpu_memory_utilization=gpu_memory_utilization,
-            max_model_len=max_model_len,
-            dtype=_vllm_dtype(dtype, self.on_cpu),
-            enable_sleep_mode=enable_sleep_mode,
-            enforce_eager=self.on_cpu if enforce_eager is None else enforce_eager,
-            **kw,
-        )
+        with _hidden_from_vllm_module_scan():
+            self.llm = LLM(
+                model=model_path,
+                seed=seed,
+                gpu_memory_utilization=gpu_memory_utilization,
+                max_model_len=max_model_len,
+                dtype=_vllm_dtype(dtype, self.on_cpu),
+                enable_sleep_mode=enable_sleep_mode,
+                enforce_eager=self.on_cpu if enforce_eager is None else enforce_eager,
+                **kw,
+            )
         self.tokenizer = self.llm.get_tokenizer()
         self._batcher = _MicroBatcher(self.generate)
 
@@ -207,6 +223,22 @@ class VLLMEngine:
 
     async def generate_one(self, prompt_ids: list[int], sampling: SamplingConfig, stop: list[str]) -> Generation:
         return await self._batcher.submit(prompt_ids, sampling, stop)
+
+    # -- colocated training: free memory while the actor trains, then take its new weights --
+
+    def sleep(self) -> None:
+        """Free the KV cache and move weights off the GPU (needs enable_sleep_mode=True on GPU;
+        without it vLLM returns and frees nothing)."""
+        self.llm.sleep(level=1)
+
+    def wake(self) -> None:
+        self.llm.wake_up()
+
+    def load_weights(self, named_tensors) -> None:
+        """Replace the weights in memory from (name, tensor) pairs with Hugging Face names."""
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(named_tensors)})
+        # Cached prefixes hold keys/values computed by the old weights.
+        self.llm.reset_prefix_cache()
 
 
 class AsyncVLLMEngine:
@@ -319,6 +351,19 @@ class HFEngine:
 
     async def generate_one(self, prompt_ids: list[int], sampling: SamplingConfig, stop: list[str]) -> Generation:
         return await self._batcher.submit(prompt_ids, sampling, stop)
+
+    def sleep(self) -> None:  # the HF engine keeps its weights; nothing to free
+        pass
+
+    def wake(self) -> None:
+        pass
+
+    @torch.no_grad()
+    def load_weights(self, named_tensors) -> None:
+        params = dict(self.model.named_parameters())
+        for name, tensor in named_tensors:
+            if name in params:
+                params[name].copy_(tensor.to(params[name].device, params[name].dtype))
 
     @torch.no_grad()
     def _generate_batch(self, prompts: list[list[int]], sampling: SamplingConfig, stop: list[str]) -> list[Generation]:

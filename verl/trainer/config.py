@@ -1,0 +1,239 @@
+"""Typed trainer configuration: configs/ppo_trainer.yaml checked against these dataclasses.
+
+Unknown keys and wrong types fail at load time (OmegaConf structured merge); batch sizes are
+checked against each other once, in `derive_sizes`, with errors that name the keys to change.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from omegaconf import MISSING, OmegaConf
+
+
+class ConfigError(ValueError):
+    pass
+
+
+@dataclass
+class DataConfig:
+    train_files: Any = MISSING
+    val_files: Any = None
+    train_data_num: int | None = None
+    val_data_num: int | None = None
+    train_batch_size: int = 512
+    val_batch_size: int = 256
+    max_prompt_length: int = 4096
+    max_response_length: int = 500
+    max_obs_length: int = 500
+    shuffle_train_dataloader: bool = True
+    apply_chat_template: bool = True
+    seed: int = 1
+
+
+@dataclass
+class ModelConfig:
+    path: str = MISSING
+    enable_gradient_checkpointing: bool = True
+    use_remove_padding: bool = True
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-6
+    lr_warmup_steps_ratio: float = 0.0
+    lr_schedule: str = "constant"
+    min_lr_ratio: float = 0.0
+    weight_decay: float = 0.01
+    betas: list = field(default_factory=lambda: [0.9, 0.999])
+
+
+@dataclass
+class FSDPConfig:
+    param_offload: bool = False
+    optimizer_offload: bool = False
+    mixed_precision: bool = True
+
+
+@dataclass
+class ActorConfig:
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    ppo_mini_batch_size: int = 256
+    ppo_micro_batch_size: int = 64
+    ppo_epochs: int = 1
+    grad_clip: float = 1.0
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.2
+    clip_ratio_c: float | None = None
+    loss_agg_mode: str = "token-mean"
+    entropy_coeff: float = 0.0
+    use_kl_loss: bool = False
+    kl_loss_coef: float = 0.001
+    kl_loss_type: str = "low_var_kl"
+    state_masking: bool = True
+    max_tokens_per_pack: int = 16384
+    fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
+
+
+@dataclass
+class RefConfig:
+    log_prob_micro_batch_size: int = 128
+    fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
+
+
+@dataclass
+class RolloutConfig:
+    name: str = "vllm"
+    n_agent: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    gpu_memory_utilization: float = 0.6
+    tensor_model_parallel_size: int = 1
+    enforce_eager: bool | None = None
+    enable_sleep: bool = True
+    log_prob_micro_batch_size: int = 128
+    max_model_len: int | None = None
+    agent_loop: str | None = None
+    schedule: str = "sync"
+
+
+@dataclass
+class ActorRolloutRefConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    ref: RefConfig = field(default_factory=RefConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+
+
+@dataclass
+class CriticModelConfig:
+    path: str | None = None
+    enable_gradient_checkpointing: bool = True
+    fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
+
+
+@dataclass
+class CriticConfig:
+    model: CriticModelConfig = field(default_factory=CriticModelConfig)
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
+    ppo_micro_batch_size: int = 64
+    cliprange_value: float = 0.5
+
+
+@dataclass
+class KLCtrlConfig:
+    type: str = "fixed"
+    kl_coef: float = 0.001
+    target_kl: float = 0.1
+    horizon: int = 10000
+
+
+@dataclass
+class AlgorithmConfig:
+    adv_estimator: str = "gae"
+    gamma: float = 1.0
+    lam: float = 1.0
+    norm_adv_by_std_in_grpo: bool = True
+    use_kl_in_reward: bool = True
+    kl_penalty: str = "kl"
+    kl_ctrl: KLCtrlConfig = field(default_factory=KLCtrlConfig)
+
+
+@dataclass
+class RewardConfig:
+    function: str | None = None
+
+
+@dataclass
+class RetrieverConfig:
+    url: str = "http://127.0.0.1:8000/retrieve"
+    topk: int = 3
+
+
+@dataclass
+class RunConfig:
+    total_epochs: int = 1
+    total_training_steps: int | None = None
+    project_name: str = "search_r1"
+    experiment_name: str = "run"
+    logger: list = field(default_factory=lambda: ["console", "jsonl"])
+    nnodes: int = 1
+    n_gpus_per_node: int = 1
+    device: str = "auto"
+    save_freq: int = -1
+    test_freq: int = -1
+    val_before_train: bool = True
+    keep_last_checkpoints: int = 2
+    resume_mode: str = "auto"
+    default_local_dir: str = "checkpoints/run"
+    export_hf_on_save: bool = True
+    ray_address: str | None = None
+    seed: int = 1
+
+
+@dataclass
+class TrainerConfig:
+    data: DataConfig = field(default_factory=DataConfig)
+    actor_rollout_ref: ActorRolloutRefConfig = field(default_factory=ActorRolloutRefConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    max_turns: int = 1
+    retriever: RetrieverConfig = field(default_factory=RetrieverConfig)
+    trainer: RunConfig = field(default_factory=RunConfig)
+
+
+def load_config(raw) -> TrainerConfig:
+    """Check a Hydra/OmegaConf config against the schema and return typed objects."""
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(TrainerConfig), raw)
+        return OmegaConf.to_object(merged)
+    except Exception as e:  # OmegaConf names the key and the expected type
+        raise ConfigError(f"invalid trainer config: {e}") from None
+
+
+@dataclass
+class Sizes:
+    """Batch sizes derived once; every unit is in the name."""
+    world: int                           # worker processes (GPUs)
+    prompts_per_step: int
+    trajectories_per_step: int
+    trajectories_per_worker: int
+    mini_batch_trajectories_per_worker: int
+    micro_batch_trajectories_per_worker: int
+    logprob_micro_trajectories_per_worker: int
+    critic_micro_trajectories_per_worker: int
+
+
+def derive_sizes(cfg: TrainerConfig) -> Sizes:
+    world = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
+    n = cfg.actor_rollout_ref.rollout.n_agent
+    actor = cfg.actor_rollout_ref.actor
+    per_step = cfg.data.train_batch_size * n
+    mini = actor.ppo_mini_batch_size * n
+
+    def need(cond, message):
+        if not cond:
+            raise ConfigError(message)
+
+    need(per_step % world == 0,
+         f"data.train_batch_size × rollout.n_agent = {per_step} trajectories per step is not divisible "
+         f"by trainer.nnodes × trainer.n_gpus_per_node = {world} workers")
+    need(per_step % mini == 0,
+         f"data.train_batch_size × rollout.n_agent = {per_step} trajectories per step is not divisible "
+         f"by actor.ppo_mini_batch_size × rollout.n_agent = {mini}")
+    need(mini % world == 0,
+         f"actor.ppo_mini_batch_size × rollout.n_agent = {mini} is not divisible by {world} workers")
+    for key, value in (("actor_rollout_ref.actor.ppo_micro_batch_size", actor.ppo_micro_batch_size),
+                       ("actor_rollout_ref.rollout.log_prob_micro_batch_size",
+                        cfg.actor_rollout_ref.rollout.log_prob_micro_batch_size),
+                       ("critic.ppo_micro_batch_size", cfg.critic.ppo_micro_batch_size)):
+        need(value % world == 0 and value >= world,
+             f"{key} = {value} trajectories must be a positive multiple of the {world} workers")
+    micro = actor.ppo_micro_batch_size // world
+    need((mini // world) % micro == 0,
+         f"actor.ppo_mini_batch_size × n_agent / workers = {mini // world} trajectories is not divisible "
+         f"by actor.ppo_micro_batch_size / workers = {micro}")
+    return Sizes(world, cfg.data.train_batch_size, per_step, per_step // world, mini // world, micro,
+                 cfg.actor_rollout_ref.rollout.log_prob_micro_batch_size // world,
+                 cfg.critic.ppo_micro_batch_size // world)
