@@ -145,3 +145,20 @@ def test_async_vllm_engine_matches_offline_engine(tiny_model, vllm_engine, promp
 def test_make_engine_rejects_unknown_kind(tiny_model):
     with pytest.raises(ValueError, match="vllm"):
         make_engine("sglang", tiny_model)
+
+
+def test_vllm_load_weights_takes_effect_and_restores(vllm_engine, tiny_model, prompts):
+    """Weights pushed in memory change the output (the prefix cache, on by default, must not
+    serve keys/values of the old weights), and pushing the originals back restores it."""
+    import torch
+    from safetensors.torch import load_file
+    from pathlib import Path
+    original = load_file(str(Path(tiny_model) / "model.safetensors"))
+    before = [g.token_ids for g in vllm_engine.generate(prompts, GREEDY, stop=[])]
+    g = torch.Generator().manual_seed(0)
+    noisy = {k: v + 0.5 * torch.randn(v.shape, generator=g) if v.dim() == 2 else v for k, v in original.items()}
+    vllm_engine.load_weights(noisy.items())
+    changed = [g.token_ids for g in vllm_engine.generate(prompts, GREEDY, stop=[])]
+    vllm_engine.load_weights(original.items())
+    after = [g.token_ids for g in vllm_engine.generate(prompts, GREEDY, stop=[])]
+    assert changed != before and after == before

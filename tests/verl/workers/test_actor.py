@@ -1,0 +1,268 @@
+"""Actor / Critic / FSDP helpers on CPU with a tiny random Llama (2 layers, vocabulary of 2,048 so
+the lm_head does not dominate the run time; no tokenizer is needed).
+
+The world-size-2 test spawns two gloo processes running FSDP2 and compares their update with the
+same update on one unsharded process. Why it is exactly equivalent: both runs see one mini-batch of
+the same 8 trajectories per optimizer step (8 on one process, 4 + 4 on two), and the loss of each
+micro-batch is weighted by its share of the mini-batch's loss units summed over ranks (see
+verl/workers/actor.py), so the gradient is the same token-mean over the same tokens however the
+trajectories are split — even though the two ranks' halves hold very different token counts (a
+mean of per-rank token-means would differ). Only floating-point summation order differs.
+
+Adam makes the parameter comparison insensitive to a global scale of the gradient (its first step
+is about lr·sign(g)), so the tests compare the reported gradient norm as well.
+"""
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from verl.protocol import RolloutBatch, pack_trajectories
+from verl.workers.actor import Actor, Reference
+from verl.workers.critic import Critic
+from verl.workers.fsdp import (build_causal_lm, build_value_model, forward_packed, forward_padded,
+                               full_state_dict_iter, plan_packs, values_packed, values_padded)
+
+# Response lengths (first half long, second half short: the two ranks get very different token
+# counts) and prompt lengths, all different so that padding is on both sides of every row.
+RESPONSE_LENS = [30, 22, 27, 19, 3, 1, 6, 2]
+PROMPT_LENS = [4, 11, 1, 7, 9, 2, 13, 5]
+
+ACTOR_KW = dict(lr=1e-3, weight_decay=0.01, grad_clip=1.0, gradient_checkpointing=True, mixed_precision=False,
+                micro_batch_size=2, max_tokens_per_pack=40, temperature=0.9)
+UPDATE_KW = dict(ppo_epochs=2, clip_low=0.2, clip_high=0.28, dual_clip_c=3.0, loss_agg="token-mean",
+                 entropy_coef=0.01, use_kl_loss=True, kl_loss_coef=0.1, kl_loss_type="low_var_kl")
+CRITIC_KW = dict(lr=1e-3, grad_clip=1.0, gradient_checkpointing=False, mixed_precision=False,
+                 micro_batch_size=2, max_tokens_per_pack=40)
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory) -> str:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=2048, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
+                         tie_word_embeddings=True, initializer_range=0.3)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(config)
+    out = tmp_path_factory.mktemp("tiny_llama")
+    model.save_pretrained(out)
+    return str(out)
+
+
+def make_batch(model_dir: str, seed: int = 0) -> RolloutBatch:
+    """8 trajectories with observation spans (loss mask 0 inside the response), old log-probs a
+    little off the model's (so that ratios differ from 1 and clipping is active), random advantages,
+    reference log-probs, returns."""
+    g = torch.Generator().manual_seed(seed)
+    prompts, responses, loss_masks = [], [], []
+    for p, r in zip(PROMPT_LENS, RESPONSE_LENS):
+        prompts.append(torch.randint(5, 2000, (p,), generator=g).tolist())
+        responses.append(torch.randint(5, 2000, (r,), generator=g).tolist())
+        mask = [1] * r
+        if r >= 6:  # an observation in the middle: model tokens, retrieved tokens, model tokens
+            mask[r // 3: r // 3 + r // 3] = [0] * (r // 3)
+        loss_masks.append(mask)
+    batch = pack_trajectories(prompts, responses, loss_masks, list(range(len(prompts))), pad_id=0)
+    model = build_causal_lm(model_dir)
+    with torch.no_grad():
+        logprobs_BR, _ = forward_padded(model, batch.input_ids_BT, batch.attention_mask_BT, batch.prompt_width,
+                                        temperature=ACTOR_KW["temperature"])
+    B, R = batch.loss_mask_BR.shape
+    real_BR = batch.response_mask_BR
+    batch.old_logprobs_BR = (logprobs_BR + 0.3 * torch.randn(B, R, generator=g)) * real_BR
+    batch.ref_logprobs_BR = (logprobs_BR + 0.2 * torch.randn(B, R, generator=g)) * real_BR
+    batch.advantages_BR = torch.randn(B, 1, generator=g) * batch.loss_mask_BR
+    batch.values_BR = torch.zeros(B, R)
+    batch.returns_BR = (1.0 + torch.randn(B, 1, generator=g)) * batch.loss_mask_BR
+    return batch
+
+
+@pytest.fixture(scope="module")
+def batch(tiny_model_dir) -> RolloutBatch:
+    return make_batch(tiny_model_dir)
+
+
+def params_of(model) -> dict[str, torch.Tensor]:
+    return {n: t.clone() for n, t in full_state_dict_iter(model)}
+
+
+def max_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_plan_packs_bounds_tokens_and_reaches_min_count():
+    assert plan_packs([10, 10, 10, 50, 5], 25) == [range(0, 2), range(2, 3), range(3, 4), range(4, 5)]
+    assert plan_packs([10, 10, 10], None) == [range(0, 3)]
+    packs = plan_packs([1, 1, 1, 1, 1], 100, min_packs=4)
+    assert len(packs) == 4 and [i for r in packs for i in r] == list(range(5))
+
+
+def test_packed_equals_padded(tiny_model_dir, batch):
+    model = build_causal_lm(tiny_model_dir)
+    args = (batch.input_ids_BT, batch.attention_mask_BT, batch.prompt_width)
+    # 40 tokens per pack: several packs, and the longest row alone in one.
+    packed_BR, packed_ent_BR = forward_packed(model, *args, temperature=0.7, compute_entropy=True, max_tokens_per_pack=40)
+    padded_BR, padded_ent_BR = forward_padded(model, *args, temperature=0.7, compute_entropy=True)
+    real_BR = batch.response_mask_BR.bool()
+    assert (packed_BR[~real_BR] == 0).all() and (packed_BR[real_BR] < 0).all()
+    torch.testing.assert_close(packed_BR, padded_BR, atol=1e-4, rtol=0)
+    torch.testing.assert_close(packed_ent_BR, padded_ent_BR, atol=1e-4, rtol=0)
+
+    # Same gradients through both paths (one pack for the whole batch this time).
+    weights_BR = torch.randn(real_BR.shape, generator=torch.Generator().manual_seed(1)) * real_BR
+    grads = []
+    for fn, kw in ((forward_packed, dict(max_tokens_per_pack=None)), (forward_padded, {})):
+        model.zero_grad()
+        logprobs_BR, entropy_BR = fn(model, *args, temperature=0.7, compute_entropy=True, **kw)
+        ((logprobs_BR + entropy_BR) * weights_BR).sum().backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    for name, g in grads[0].items():  # gradients reach ~10: compare relative to each tensor's scale
+        assert (g - grads[1][name]).abs().max() <= 1e-5 * g.abs().max(), name
+
+    value_model = build_value_model(tiny_model_dir)
+    torch.nn.init.normal_(value_model.value_head.weight, std=0.1)  # zero-initialised: make it say something
+    with torch.no_grad():
+        torch.testing.assert_close(values_packed(value_model, *args, max_tokens_per_pack=40),
+                                   values_padded(value_model, *args), atol=1e-4, rtol=0)
+
+
+def test_compute_logprobs_matches_plain_hf_forward(tiny_model_dir, batch):
+    actor = Actor(tiny_model_dir, **ACTOR_KW)
+    logprobs_BR, entropy_BR = actor.compute_logprobs_and_entropy(batch)
+    reference = Reference(tiny_model_dir, mixed_precision=False, micro_batch_size=3, max_tokens_per_pack=40,
+                          temperature=ACTOR_KW["temperature"])
+    torch.testing.assert_close(reference.compute_logprobs(batch), logprobs_BR, atol=1e-5, rtol=0)
+
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    P = batch.prompt_width
+    for i in range(len(batch)):  # each row alone, without any padding
+        ids = batch.input_ids_BT[i][batch.attention_mask_BT[i].bool()]
+        n_prompt = int(batch.attention_mask_BT[i, :P].sum())
+        with torch.no_grad():
+            logits = hf(ids[None]).logits[0].float() / ACTOR_KW["temperature"]
+        logp = torch.log_softmax(logits[n_prompt - 1:-1], -1)
+        expected = logp.gather(-1, ids[n_prompt:, None])[:, 0]
+        expected_entropy = -(logp.exp() * logp).sum(-1)
+        n = len(expected)
+        torch.testing.assert_close(logprobs_BR[i, :n], expected, atol=1e-4, rtol=0)
+        torch.testing.assert_close(entropy_BR[i, :n], expected_entropy, atol=1e-4, rtol=0)
+        assert (logprobs_BR[i, n:] == 0).all()
+
+
+def test_gradient_accumulation_equals_one_big_micro_batch(tiny_model_dir, batch):
+    results = []
+    for micro in (2, 8):
+        actor = Actor(tiny_model_dir, **{**ACTOR_KW, "micro_batch_size": micro})
+        before = params_of(actor.model)
+        metrics = actor.update(batch, mini_batch_size=8, **UPDATE_KW)
+        results.append((params_of(actor.model), metrics))
+    (p_small, m_small), (p_big, m_big) = results
+    assert max_diff(p_small, before) > 1e-4  # the update did something
+    assert max_diff(p_small, p_big) < 1e-5
+    assert m_small["grad_norm"] == pytest.approx(m_big["grad_norm"], rel=1e-5)
+    assert m_small["clipfrac"] > 0  # the perturbed old log-probs make clipping active
+    for key in ("pg_loss", "clipfrac", "approx_kl", "entropy", "kl_loss", "grad_norm", "lr"):
+        assert isinstance(m_small[key], float)
+
+
+def test_masked_positions_have_no_influence(tiny_model_dir, batch):
+    """Advantages, old and reference log-probs on retrieved tokens and padding must not matter with
+    state masking; without it (the ablation) advantages on retrieved tokens do matter."""
+    masked_BR = batch.loss_mask_BR == 0
+    assert (masked_BR & (batch.response_mask_BR == 1)).any()  # there are observation tokens
+    noise_BR = 5.0 * torch.randn(masked_BR.shape, generator=torch.Generator().manual_seed(2))
+    other_advantages = RolloutBatch(**{**batch.__dict__})
+    other_advantages.advantages_BR = torch.where(masked_BR, noise_BR, batch.advantages_BR)
+    everything_else = RolloutBatch(**{**other_advantages.__dict__})
+    everything_else.old_logprobs_BR = torch.where(masked_BR, batch.old_logprobs_BR - 3.0, batch.old_logprobs_BR)
+    everything_else.ref_logprobs_BR = torch.where(masked_BR, batch.ref_logprobs_BR + 3.0, batch.ref_logprobs_BR)
+
+    def run(b, state_masking):
+        actor = Actor(tiny_model_dir, **ACTOR_KW)
+        metrics = actor.update(b, mini_batch_size=4, state_masking=state_masking, **{**UPDATE_KW, "ppo_epochs": 1})
+        return params_of(actor.model), metrics["grad_norm"]
+
+    (p_a, norm_a), (p_b, norm_b) = run(batch, True), run(everything_else, True)
+    assert max_diff(p_a, p_b) < 1e-6 and norm_a == pytest.approx(norm_b, rel=1e-6)
+    (p_c, norm_c), (p_d, norm_d) = run(batch, False), run(other_advantages, False)
+    assert max_diff(p_c, p_d) > 1e-4 and norm_c != pytest.approx(norm_d, rel=1e-3)
+
+
+def test_critic_update_reduces_value_loss(tiny_model_dir, batch):
+    batch = RolloutBatch(**{**batch.__dict__})  # values_BR is rewritten below
+    critic = Critic(tiny_model_dir, **{**CRITIC_KW, "lr": 3e-3})
+    assert critic.compute_values(batch).abs().max() == 0  # zero-initialised head
+    losses = []
+    for _ in range(6):
+        batch.values_BR = critic.compute_values(batch)  # fresh old values: clipping is around them
+        metrics = critic.update(batch, mini_batch_size=4, clip_range_value=0.5)
+        losses.append(metrics["vf_loss"])
+    assert losses[-1] < 0.5 * losses[0], losses
+    assert set(metrics) >= {"vf_loss", "vf_clipfrac", "grad_norm", "lr"}
+
+
+# ---------------------------------------------------------------------------------------------------
+# World size 2 (FSDP2 + gloo) against world size 1 (no sharding)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _fsdp_rank(rank, world, port, model_dir, batch_path, out_dir):
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    from verl.workers.fsdp import init_distributed
+    init_distributed(timeout_minutes=2)  # a collective mismatch fails the test instead of hanging it
+    try:
+        part = torch.load(batch_path, weights_only=False).split(world)[rank]
+        actor = Actor(model_dir, **ACTOR_KW)
+        logprobs_BR = actor.compute_logprobs(part)
+        actor_metrics = actor.update(part, mini_batch_size=len(part), **UPDATE_KW)
+        actor_params = params_of(actor.model)  # a collective: every rank iterates
+        critic = Critic(model_dir, **CRITIC_KW)
+        critic_metrics = critic.update(part, mini_batch_size=len(part), clip_range_value=0.5)
+        critic_params = params_of(critic.model)
+        torch.save(dict(logprobs_BR=logprobs_BR, actor_metrics=actor_metrics, actor_params=actor_params,
+                        critic_metrics=critic_metrics, critic_params=critic_params), f"{out_dir}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fsdp_world_size_2_matches_single_process(tiny_model_dir, batch, tmp_path):
+    torch.save(batch, tmp_path / "batch.pt")
+    mp.spawn(_fsdp_rank, args=(2, _free_port(), tiny_model_dir, str(tmp_path / "batch.pt"), str(tmp_path)),
+             nprocs=2, join=True)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+
+    actor = Actor(tiny_model_dir, **ACTOR_KW)
+    logprobs_BR = actor.compute_logprobs(batch)
+    before = params_of(actor.model)
+    actor_metrics = actor.update(batch, mini_batch_size=len(batch), **UPDATE_KW)
+    critic = Critic(tiny_model_dir, **CRITIC_KW)
+    critic_metrics = critic.update(batch, mini_batch_size=len(batch), clip_range_value=0.5)
+
+    torch.testing.assert_close(torch.cat([r["logprobs_BR"] for r in ranks]), logprobs_BR, atol=1e-5, rtol=0)
+    for r in ranks:
+        assert max_diff(r["actor_params"], params_of(actor.model)) < 1e-5
+        assert max_diff(r["critic_params"], params_of(critic.model)) < 1e-5
+    assert max_diff(params_of(actor.model), before) > 1e-4
+    # The gradient norm is global: both ranks report the single-process value.
+    for r in ranks:
+        assert r["actor_metrics"]["grad_norm"] == pytest.approx(actor_metrics["grad_norm"], rel=1e-5)
+        assert r["critic_metrics"]["grad_norm"] == pytest.approx(critic_metrics["grad_norm"], rel=1e-5)

@@ -1,0 +1,90 @@
+"""Ray worker groups: one process per GPU (or per CPU worker), placed with a placement group so
+a group can span nodes (`ray start --head` on one, `ray start --address` on the others, then
+`trainer.ray_address=auto`, `trainer.nnodes`, `trainer.n_gpus_per_node`).
+
+The policy and critic groups share the GPUs: each takes a fraction of every GPU bundle. Calls are
+made at the call site, visibly: `ray.get([w.update_actor.remote(part) for w, part in ...])`.
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+import ray
+from ray.util.placement_group import placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+log = logging.getLogger(__name__)
+
+# Environment that every worker process must see (NVLink multicast stays off on shared hosts).
+WORKER_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+              "NVSHMEM_DISABLE_NVLS": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+              "TOKENIZERS_PARALLELISM": "false", "VLLM_USE_FLASHINFER_SAMPLER": "0"}
+
+
+class WorkerDied(RuntimeError):
+    pass
+
+
+def start_ray(address: str | None, device: str):
+    if ray.is_initialized():
+        return
+    env = {"env_vars": {**WORKER_ENV, **{k: v for k, v in os.environ.items()
+                                         if k.startswith(("HF_", "WANDB_", "PYTHONPATH", "VLLM_"))}}}
+    if address:
+        ray.init(address=address, runtime_env=env, log_to_driver=True)
+    else:
+        ray.init(runtime_env=env, include_dashboard=False, log_to_driver=True,
+                 num_cpus=max(os.cpu_count() or 1, 4))
+
+
+class WorkerGroup:
+    """`world` instances of `cls`, rank i on bundle i of one placement group."""
+
+    def __init__(self, cls, world: int, device: str, gpu_share: float, name: str, *args):
+        self.name = name
+        resources = {"GPU": 1, "CPU": 1} if device == "cuda" else {"CPU": 1}
+        self.pg = _placement_group(world, resources)
+        remote = ray.remote(cls)
+        opts = dict(num_gpus=gpu_share if device == "cuda" else 0, num_cpus=0.01)
+        self.workers = [
+            remote.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
+                self.pg, placement_group_bundle_index=i), name=f"{name}_{i}_{os.getpid()}", **opts)
+            .remote(i, *args) for i in range(world)]
+        # Rank 0's node hosts the process group's rendezvous, on a port free there.
+        addr, port = self.get([self.workers[0].rendezvous.remote()], "start-up")[0]
+        self.call("setup", addr, port)
+
+    def call(self, method: str, *args, step: int | None = None):
+        """The same call on every worker; a dead worker becomes an error that names it."""
+        return self.get([getattr(w, method).remote(*args) for w in self.workers], method, step)
+
+    def get(self, refs, what: str, step: int | None = None):
+        try:
+            return ray.get(refs)
+        except ray.exceptions.RayActorError as e:
+            dead = [i for i, r in enumerate(refs) if _failed(r)]
+            raise WorkerDied(f"{self.name} worker(s) {dead or '?'} died during {what}"
+                             f"{'' if step is None else f' at step {step}'}: {e}. The next run with "
+                             "trainer.resume_mode=auto resumes from the last checkpoint.") from None
+
+
+_PG_CACHE: dict = {}
+
+
+def _placement_group(world: int, resources: dict):
+    """One placement group per size, shared by the groups that colocate on the same GPUs."""
+    key = (world, tuple(sorted(resources.items())))
+    if key not in _PG_CACHE:
+        pg = placement_group([dict(resources) for _ in range(world)], strategy="PACK")
+        ray.get(pg.ready(), timeout=600)
+        _PG_CACHE[key] = pg
+    return _PG_CACHE[key]
+
+
+def _failed(ref) -> bool:
+    try:
+        ray.get(ref, timeout=0)
+        return False
+    except Exception:
+        return True

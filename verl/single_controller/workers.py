@@ -1,0 +1,219 @@
+"""Worker processes. One `PolicyWorker` per GPU holds the FSDP2 actor, the colocated rollout
+engine and the reference model; `CriticWorker`s hold the critic when the estimator needs values.
+The driver calls them through Ray (see ray_group.py); every method takes and returns plain data
+(RolloutBatch on CPU, dicts of floats)."""
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import torch
+
+from verl.protocol import RolloutBatch, pack_trajectories
+from verl.trainer.config import Sizes, TrainerConfig
+
+log = logging.getLogger(__name__)
+
+
+def _init_process_group(rank: int, world: int, addr: str, port: int, device: str):
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR=addr, MASTER_PORT=str(port),
+                      LOCAL_RANK="0")
+    # NVLink multicast must stay off on shared hosts.
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    from verl.workers.fsdp import init_distributed
+    init_distributed()
+
+
+def rendezvous() -> tuple[str, int]:
+    """This node's address and a port free on it, for rank 0 to host the process group."""
+    import socket
+
+    import ray
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return ray.util.get_node_ip_address(), s.getsockname()[1]
+
+
+def _warmup_steps(optim, total_steps: int) -> int:
+    return int(optim.lr_warmup_steps_ratio * total_steps)
+
+
+class PolicyWorker:
+    def __init__(self, rank: int, cfg: TrainerConfig, sizes: Sizes, total_steps: int, device: str):
+        self.rank, self.cfg, self.sizes, self.total_steps, self.device = rank, cfg, sizes, total_steps, device
+
+    def rendezvous(self) -> tuple[str, int]:
+        return rendezvous()
+
+    def setup(self, master_addr: str, master_port: int) -> None:
+        from verl.workers.actor import Actor, Reference
+        from verl.workers.rollout.engines import HFEngine, VLLMEngine
+        from verl.workers.rollout.single_turn import load_agent_loop
+
+        cfg, arr = self.cfg, self.cfg.actor_rollout_ref
+        torch.manual_seed(cfg.trainer.seed + self.rank)
+        _init_process_group(self.rank, self.sizes.world, master_addr, master_port, self.device)
+        path = arr.model.path
+        rollout = arr.rollout
+        budget = cfg.data.max_prompt_length + (cfg.max_turns + 1) * cfg.data.max_response_length + \
+            cfg.max_turns * cfg.data.max_obs_length
+        if rollout.name == "vllm":
+            kw = {}
+            if self.sizes.world > 1:  # each process is one data-parallel rank of vLLM
+                kw["distributed_executor_backend"] = "external_launcher"
+            if self.device == "cpu":  # a small fixed KV cache: no share-of-RAM probing on CPU
+                kw["kv_cache_memory_bytes"] = 256 << 20
+            self.engine = VLLMEngine(path, seed=cfg.trainer.seed + self.rank,
+                                     gpu_memory_utilization=rollout.gpu_memory_utilization,
+                                     max_model_len=rollout.max_model_len or budget,
+                                     enable_sleep_mode=rollout.enable_sleep and self.device == "cuda",
+                                     enforce_eager=rollout.enforce_eager,
+                                     tensor_parallel_size=rollout.tensor_model_parallel_size, **kw)
+        elif rollout.name == "hf":
+            self.engine = HFEngine(path, device=self.device,
+                                   dtype="bfloat16" if self.device == "cuda" else "float32",
+                                   seed=cfg.trainer.seed + self.rank)
+        else:
+            raise ValueError(f"actor_rollout_ref.rollout.name={rollout.name!r}: use vllm or hf")
+        self.tokenizer = self.engine.tokenizer
+        self.agent = load_agent_loop(rollout.agent_loop)(
+            self.engine, max_turns=cfg.max_turns, max_response_length=cfg.data.max_response_length,
+            max_obs_length=cfg.data.max_obs_length, retriever_url=cfg.retriever.url,
+            topk=cfg.retriever.topk, schedule=rollout.schedule)
+        a = arr.actor
+        self.actor = Actor(
+            path, lr=a.optim.lr, weight_decay=a.optim.weight_decay, betas=tuple(a.optim.betas),
+            warmup_steps=_warmup_steps(a.optim, self.total_steps), total_steps=self.total_steps,
+            lr_schedule=a.optim.lr_schedule, min_lr_ratio=a.optim.min_lr_ratio, grad_clip=a.grad_clip,
+            gradient_checkpointing=arr.model.enable_gradient_checkpointing,
+            param_offload=a.fsdp_config.param_offload, optimizer_offload=a.fsdp_config.optimizer_offload,
+            mixed_precision=a.fsdp_config.mixed_precision and self.device == "cuda",
+            micro_batch_size=self.sizes.micro_batch_trajectories_per_worker,
+            max_tokens_per_pack=a.max_tokens_per_pack, temperature=rollout.temperature)
+        self.reference = None
+        if a.use_kl_loss or cfg.algorithm.use_kl_in_reward:
+            self.reference = Reference(path, param_offload=arr.ref.fsdp_config.param_offload,
+                                       mixed_precision=a.fsdp_config.mixed_precision and self.device == "cuda",
+                                       micro_batch_size=arr.ref.log_prob_micro_batch_size // self.sizes.world,
+                                       max_tokens_per_pack=a.max_tokens_per_pack,
+                                       temperature=rollout.temperature)
+        self._asleep = False
+        self.sleep_rollout()
+
+    # -- rollout -------------------------------------------------------------------------------
+
+    def sleep_rollout(self):
+        if not self._asleep:
+            self.engine.sleep()
+            self._asleep = True
+
+    def wake_rollout(self):
+        if self._asleep:
+            self.engine.wake()
+            self._asleep = False
+
+    def generate(self, prompts: list[list[int]], group_ids: list[int], temperature: float,
+                 top_p: float, max_tokens: int) -> RolloutBatch:
+        from verl.workers.rollout.engines import SamplingConfig
+        t0 = time.perf_counter()
+        self.wake_rollout()
+        trajectories = self.agent.run(prompts, SamplingConfig(temperature, top_p, max_tokens))
+        self.sleep_rollout()
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+        batch = pack_trajectories(prompts, [t.response_ids for t in trajectories],
+                                  [t.loss_mask for t in trajectories], group_ids, pad)
+        batch.info = {"stats": [t.stats() for t in trajectories],
+                      "response_ids": [list(t.response_ids) for t in trajectories],
+                      "loss_mask": [list(t.loss_mask) for t in trajectories]}
+        batch.info["rollout_s"] = [time.perf_counter() - t0] * len(trajectories)
+        return batch
+
+    def sync_weights(self) -> float:
+        """Push the actor's current weights into the rollout engine, in memory."""
+        from verl.workers.fsdp import full_state_dict_iter
+        t0 = time.perf_counter()
+        self.wake_rollout()
+        self.engine.load_weights(full_state_dict_iter(self.actor.model))
+        self.sleep_rollout()
+        return time.perf_counter() - t0
+
+    # -- training ------------------------------------------------------------------------------
+
+    def compute_log_probs(self, batch: RolloutBatch) -> torch.Tensor:
+        return _first(self.actor.compute_logprobs(batch)).cpu()
+
+    def compute_ref_log_probs(self, batch: RolloutBatch) -> torch.Tensor:
+        return _first(self.reference.compute_logprobs(batch)).cpu()
+
+    def update_actor(self, batch: RolloutBatch) -> dict:
+        a = self.cfg.actor_rollout_ref.actor
+        return self.actor.update(
+            batch, ppo_epochs=a.ppo_epochs, mini_batch_size=self.sizes.mini_batch_trajectories_per_worker,
+            clip_low=a.clip_ratio_low, clip_high=a.clip_ratio_high, dual_clip_c=a.clip_ratio_c,
+            loss_agg=a.loss_agg_mode, entropy_coef=a.entropy_coeff, use_kl_loss=a.use_kl_loss,
+            kl_loss_coef=a.kl_loss_coef, kl_loss_type=a.kl_loss_type, state_masking=a.state_masking)
+
+    # -- checkpoints ---------------------------------------------------------------------------
+
+    def save(self, root: str, step: int, trainer_state: dict, keep_last: int) -> None:
+        from verl.trainer.checkpoint import save_checkpoint
+        save_checkpoint(root, step, {"actor": (self.actor.model, self.actor.optimizer, self.actor.scheduler)},
+                        trainer_state, keep_last)
+
+    def load(self, root: str, step: int) -> dict:
+        from verl.trainer.checkpoint import load_checkpoint
+        state = load_checkpoint(root, step, {"actor": (self.actor.model, self.actor.optimizer,
+                                                       self.actor.scheduler)})
+        self.sync_weights()
+        return state
+
+
+class CriticWorker:
+    def __init__(self, rank: int, cfg: TrainerConfig, sizes: Sizes, total_steps: int, device: str):
+        self.rank, self.cfg, self.sizes, self.total_steps, self.device = rank, cfg, sizes, total_steps, device
+
+    def rendezvous(self) -> tuple[str, int]:
+        return rendezvous()
+
+    def setup(self, master_addr: str, master_port: int) -> None:
+        from verl.workers.critic import Critic
+        c = self.cfg.critic
+        _init_process_group(self.rank, self.sizes.world, master_addr, master_port, self.device)
+        self.critic = Critic(
+            c.model.path or self.cfg.actor_rollout_ref.model.path, lr=c.optim.lr,
+            weight_decay=c.optim.weight_decay, betas=tuple(c.optim.betas),
+            warmup_steps=_warmup_steps(c.optim, self.total_steps), total_steps=self.total_steps,
+            lr_schedule=c.optim.lr_schedule, min_lr_ratio=c.optim.min_lr_ratio,
+            grad_clip=self.cfg.actor_rollout_ref.actor.grad_clip,
+            gradient_checkpointing=c.model.enable_gradient_checkpointing,
+            param_offload=c.model.fsdp_config.param_offload,
+            optimizer_offload=c.model.fsdp_config.optimizer_offload,
+            mixed_precision=c.model.fsdp_config.mixed_precision and self.device == "cuda",
+            micro_batch_size=self.sizes.critic_micro_trajectories_per_worker,
+            max_tokens_per_pack=self.cfg.actor_rollout_ref.actor.max_tokens_per_pack)
+
+    def compute_values(self, batch: RolloutBatch) -> torch.Tensor:
+        return self.critic.compute_values(batch).cpu()
+
+    def update_critic(self, batch: RolloutBatch) -> dict:
+        a = self.cfg.actor_rollout_ref.actor
+        return self.critic.update(batch, ppo_epochs=a.ppo_epochs,
+                                  mini_batch_size=self.sizes.mini_batch_trajectories_per_worker,
+                                  clip_range_value=self.cfg.critic.cliprange_value,
+                                  loss_agg=a.loss_agg_mode, state_masking=a.state_masking)
+
+    def save(self, root: str, step: int, trainer_state: dict, keep_last: int) -> None:
+        from verl.trainer.checkpoint import save_checkpoint
+        save_checkpoint(os.path.join(root, "critic"), step,
+                        {"critic": (self.critic.model, self.critic.optimizer, self.critic.scheduler)},
+                        trainer_state, keep_last)
+
+    def load(self, root: str, step: int) -> dict:
+        from verl.trainer.checkpoint import load_checkpoint
+        return load_checkpoint(os.path.join(root, "critic"), step,
+                               {"critic": (self.critic.model, self.critic.optimizer, self.critic.scheduler)})
+
+
+def _first(x):
+    return x[0] if isinstance(x, tuple) else x

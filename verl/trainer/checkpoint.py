@@ -1,0 +1,430 @@
+"""Sharded, resumable training checkpoints, and a streaming export to a Hugging Face model directory.
+
+Every rank writes only its own shards (torch.distributed.checkpoint, "DCP"), so saving never gathers
+a whole model on one device: the original Search-R1 did, and crashed on large models. The HF export
+reads those shards back a few tensors at a time, so it needs about one safetensors shard of memory
+and no process group or GPU.
+
+Layout of one checkpoint (all ranks write into the same directory: a shared filesystem on multi-node):
+
+    <root>/global_step_<N>/
+        <name>/model/            DCP directory of the model's (sharded) state dict, e.g. name = "actor"
+        <name>/optimizer/        DCP directory of its optimizer state (absent if saved without one)
+        <name>/scheduler.pt      its LR scheduler state (absent if saved without one)
+        trainer_state.json       {"step", "world_size", "models", "trainer": what the trainer passed}
+        rng/rank_<r>.pt          python, numpy, torch CPU (and CUDA) RNG states of rank r
+    <root>/latest                text file with the step of the newest complete checkpoint
+
+A checkpoint is written into `global_step_<N>.tmp` and renamed only when every rank has finished, so
+a crash never leaves a directory that looks complete. Model and optimizer state are resharded by DCP
+when resuming at another world size; RNG states are then skipped with a warning.
+
+Export: `python -m verl.trainer.checkpoint export --checkpoint DIR --model actor
+--config-source ORIGINAL_MODEL_DIR --out OUT [--dtype bfloat16]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import random
+import re
+import shutil
+import warnings
+from collections.abc import Mapping
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict, get_state_dict, set_model_state_dict, set_state_dict)
+
+logger = logging.getLogger(__name__)
+
+# name -> (model, optimizer or None, LR scheduler or None)
+ModelParts = tuple[torch.nn.Module, torch.optim.Optimizer | None, torch.optim.lr_scheduler.LRScheduler | None]
+
+_STEP_DIR = re.compile(r"^global_step_(\d+)$")
+# Files of the original model directory that hold weights: everything else (config, tokenizer, chat
+# template, generation config, custom code) is copied into the export.
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack", ".index.json")
+# Wrapper segments that can appear in parameter names (torch.compile, FSDP1, activation
+# checkpointing). get_state_dict already removes them; we strip them again in case a checkpoint was
+# written from a state dict taken another way.
+_WRAPPER_SEGMENTS = ("_orig_mod.", "_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
+
+
+def checkpoint_dir(root: str | os.PathLike, step: int) -> str:
+    return os.path.join(root, f"global_step_{step}")
+
+
+# ---------------------------------------------------------------- save / load
+
+def save_checkpoint(
+    root: str | os.PathLike,
+    step: int,
+    models: Mapping[str, ModelParts],
+    trainer_state: dict[str, Any],
+    keep_last: int | None = None,
+) -> str:
+    """Save every model of `models` (e.g. {"actor": (model, optim, sched), "critic": (...)}) with the
+    trainer state (data-loader position and anything else JSON-able) and this rank's RNG states.
+
+    Call on every rank (it has collectives); returns the checkpoint directory. Keeps the newest
+    `keep_last` checkpoints (None or 0: keep all), never deleting the one just written.
+    Save after the first optimizer step: torch's get_state_dict fills an empty optimizer state by
+    taking a step with zero learning rate, which would shift Adam's step count.
+    """
+    if keep_last is not None and keep_last < 0:
+        raise ValueError(f"keep_last={keep_last}: give the number of checkpoints to keep, or 0/None to keep all")
+    rank, world_size = _rank(), _world_size()
+    # Before any collective: a state that fails to serialise must fail on every rank, not hang them.
+    try:
+        state_json = json.dumps(
+            {"step": step, "world_size": world_size, "models": sorted(models), "trainer": trainer_state}, indent=2)
+    except TypeError as error:
+        raise TypeError(f"trainer_state must be JSON-serialisable (plain numbers, strings, lists, dicts): {error}")
+    rng_state = _rng_state()  # first, so that nothing done while saving changes what is saved
+
+    final = checkpoint_dir(root, step)
+    tmp = final + ".tmp"
+    if rank == 0:
+        os.makedirs(root, exist_ok=True)
+        for leftover in Path(root).glob("global_step_*.tmp"):  # from a crash; only one save runs at a time
+            shutil.rmtree(leftover)
+    _barrier()
+
+    with _single_process_quiet():
+        for name, (model, optimizer, scheduler) in models.items():
+            if optimizer is None:
+                model_sd, optim_sd = get_model_state_dict(model), None
+            else:
+                model_sd, optim_sd = get_state_dict(model, optimizer)
+            dcp.save(model_sd, checkpoint_id=os.path.join(tmp, name, "model"), no_dist=not _distributed())
+            if optim_sd is not None:
+                dcp.save(optim_sd, checkpoint_id=os.path.join(tmp, name, "optimizer"), no_dist=not _distributed())
+            if scheduler is not None and rank == 0:
+                _save_file(scheduler.state_dict(), os.path.join(tmp, name, "scheduler.pt"))
+
+    os.makedirs(os.path.join(tmp, "rng"), exist_ok=True)
+    _save_file(rng_state, os.path.join(tmp, "rng", f"rank_{rank}.pt"))
+    if rank == 0:
+        _write_text(os.path.join(tmp, "trainer_state.json"), state_json)
+    _barrier()  # every rank's files are on disk
+
+    if rank == 0:
+        replaced = f"{final}.old.tmp"  # saving a step again, after resuming from an earlier one
+        if os.path.isdir(final):
+            os.replace(final, replaced)  # a crash from here on leaves only a `.tmp` behind
+        os.replace(tmp, final)
+        shutil.rmtree(replaced, ignore_errors=True)
+        _write_text(os.path.join(root, "latest"), f"{step}\n", atomic=True)
+        if keep_last:
+            older = [s for s in _complete_steps(root) if s != step]
+            for old in older[: max(0, len(older) - (keep_last - 1))]:
+                shutil.rmtree(checkpoint_dir(root, old))
+        logger.info("Saved checkpoint %s", final)
+    _barrier()  # nobody goes on (or loads) before the checkpoint has its final name
+    return final
+
+
+def latest_step(root: str | os.PathLike) -> int | None:
+    """Step of the newest complete checkpoint under `root`, or None. Directories left by a crash
+    (`.tmp`) never count."""
+    try:
+        step = int(Path(root, "latest").read_text().strip())
+        if os.path.isdir(checkpoint_dir(root, step)):
+            return step
+    except (FileNotFoundError, ValueError):
+        pass
+    # No (valid) `latest` file, e.g. a copied directory: any renamed step directory is complete.
+    steps = _complete_steps(root)
+    return steps[-1] if steps else None
+
+
+def load_checkpoint(root: str | os.PathLike, step: int, models: Mapping[str, ModelParts]) -> dict[str, Any]:
+    """Restore models, optimizers and schedulers in place, and this rank's RNG states; returns the
+    trainer state given to `save_checkpoint`. Call on every rank. Optimizers and schedulers may be
+    None to load weights only."""
+    ckpt = checkpoint_dir(root, step)
+    state_file = os.path.join(ckpt, "trainer_state.json")
+    if not os.path.isfile(state_file):
+        found = _complete_steps(root)
+        raise FileNotFoundError(f"No checkpoint at {ckpt}; complete checkpoints under {root}: steps {found}")
+    saved = json.loads(Path(state_file).read_text())
+    saved_world_size, world_size = saved["world_size"], _world_size()
+
+    for name, (model, optimizer, scheduler) in models.items():
+        if name not in saved["models"]:
+            raise ValueError(f"Checkpoint {ckpt} has no model {name!r}; it has {saved['models']}")
+        optim_dir = os.path.join(ckpt, name, "optimizer")
+        if optimizer is not None and not os.path.isdir(optim_dir):
+            raise FileNotFoundError(f"{name!r} was saved without optimizer state ({optim_dir} is missing): "
+                                    f"pass None as its optimizer to load the weights only")
+        try:
+            with _single_process_quiet():
+                if optimizer is None:
+                    model_sd = get_model_state_dict(model)
+                    dcp.load(model_sd, checkpoint_id=os.path.join(ckpt, name, "model"), no_dist=not _distributed())
+                    set_model_state_dict(model, model_sd)
+                else:
+                    # The state dicts of the live objects say which shard this rank holds; DCP
+                    # fills them in place, reading (and resharding) only what is needed.
+                    model_sd, optim_sd = get_state_dict(model, optimizer)
+                    dcp.load(model_sd, checkpoint_id=os.path.join(ckpt, name, "model"), no_dist=not _distributed())
+                    dcp.load(optim_sd, checkpoint_id=optim_dir, no_dist=not _distributed())
+                    set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+        except Exception as error:
+            raise RuntimeError(
+                f"Could not load {name!r} from {ckpt} (saved at world size {saved_world_size}, now {world_size}): "
+                f"{error}. The model (and optimizer) must be built exactly as when saving.") from error
+        if scheduler is not None:
+            sched_file = os.path.join(ckpt, name, "scheduler.pt")
+            if not os.path.isfile(sched_file):
+                raise FileNotFoundError(f"{name!r} was saved without a scheduler ({sched_file} is missing)")
+            scheduler.load_state_dict(torch.load(sched_file, weights_only=True))
+
+    if saved_world_size == world_size:
+        _set_rng_state(torch.load(os.path.join(ckpt, "rng", f"rank_{_rank()}.pt"), weights_only=True))
+    else:
+        warnings.warn(f"Checkpoint {ckpt} was saved at world size {saved_world_size}, resuming at {world_size}: "
+                      f"model and optimizer were resharded, but RNG states were not restored, so sampling "
+                      f"and dropout will not repeat the original run exactly.")
+    logger.info("Loaded checkpoint %s", ckpt)
+    return saved["trainer"]
+
+
+# ---------------------------------------------------------------- export to Hugging Face
+
+def export_hf(
+    checkpoint_dir: str | os.PathLike,
+    model_name: str,
+    out_dir: str | os.PathLike,
+    config_source: str | os.PathLike,
+    max_shard_bytes: int = 2**31,
+    dtype: str | torch.dtype | None = None,
+    overwrite: bool = False,
+) -> str:
+    """Write `model_name` of a checkpoint as a Hugging Face model directory, streaming from the DCP
+    shards. `checkpoint_dir` is a `global_step_<N>` directory or a checkpoint root (newest step is
+    used); `config_source` is the original model directory (config and tokenizer are copied from
+    it); `dtype` casts floating-point weights (e.g. "bfloat16"), None keeps them as saved;
+    `overwrite` replaces an existing `out_dir` (only once the new export is complete).
+    Single process, no GPU; peak memory is about one shard of `max_shard_bytes`."""
+    from safetensors.torch import save_file
+    from tqdm import tqdm
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    ckpt = _resolve_checkpoint(checkpoint_dir)
+    model_dir = os.path.join(ckpt, model_name, "model")
+    if not os.path.isdir(model_dir):
+        names = sorted(p.parent.name for p in Path(ckpt).glob("*/model"))
+        raise FileNotFoundError(f"{ckpt} has no model {model_name!r}; it has {names}")
+    if not os.path.isfile(os.path.join(config_source, "config.json")):
+        raise FileNotFoundError(f"{config_source} has no config.json: --config-source must be the local directory "
+                                f"of the model training started from")
+    out = Path(out_dir)
+    if out.resolve() == Path(config_source).resolve():
+        raise ValueError(f"The export would overwrite the original model {config_source}: choose another output")
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        raise FileExistsError(f"{out} exists and is not empty: choose a new output directory, delete it, "
+                              f"or pass overwrite=True (--overwrite)")
+    if isinstance(dtype, str):
+        name, dtype = dtype, getattr(torch, dtype, None)
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"Unknown dtype {name!r}: use float32, bfloat16 or float16")
+
+    metadata = dcp.FileSystemReader(model_dir).read_metadata().state_dict_metadata
+    saved = {_hf_name(key): (key, meta) for key, meta in metadata.items() if isinstance(meta, TensorStorageMetadata)}
+
+    # The names HF writes: those of a model built from the config (on the meta device: no memory),
+    # with tied weights once. get_state_dict saves a tied lm_head.weight separately; it is dropped.
+    config = AutoConfig.from_pretrained(config_source)
+    with torch.device("meta"):
+        reference = AutoModelForCausalLM.from_config(config)
+    tied = ({name for name, _ in reference.named_parameters(remove_duplicate=False)}
+            - {name for name, _ in reference.named_parameters()})
+    expected = set(reference.state_dict()) - tied
+    missing = sorted(expected - set(saved))
+    if missing:
+        raise ValueError(f"Checkpoint {model_dir} lacks weights that {config.architectures} needs, "
+                         f"e.g. {missing[:5]}: is --model {model_name!r} the model that started from {config_source}?")
+    extra = sorted(set(saved) - expected - tied)
+    if extra:
+        logger.warning("Exporting %d weights that %s does not know, e.g. %s",
+                       len(extra), config.architectures, extra[:5])
+    names = [name for name in saved if name not in tied]  # checkpoint order: layer by layer
+
+    def out_dtype(name):
+        saved_dtype = saved[name][1].properties.dtype
+        return dtype if dtype is not None and saved_dtype.is_floating_point else saved_dtype
+
+    def nbytes(name):
+        return saved[name][1].size.numel() * out_dtype(name).itemsize
+
+    # Plan the shards from the metadata first: file names carry the shard count.
+    shards, size = [[]], 0
+    for name in names:
+        if shards[-1] and size + nbytes(name) > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes(name)
+
+    tmp = Path(f"{out}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    weight_map = {}
+    for i, shard in enumerate(tqdm(shards, desc="Exporting", unit="shard", disable=len(shards) == 1)):
+        file_name = "model.safetensors" if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        # DCP copies each stored chunk into these tensors, casting to their dtype on the way.
+        tensors = {name: torch.empty(saved[name][1].size, dtype=out_dtype(name)) for name in shard}
+        with _single_process_quiet():
+            dcp.load({saved[name][0]: tensors[name] for name in shard}, checkpoint_id=model_dir, no_dist=True)
+        save_file(tensors, tmp / file_name, metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, file_name))
+        logger.info("Wrote %s (%d tensors)", file_name, len(shard))
+        del tensors
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": sum(nbytes(n) for n in names)}, "weight_map": weight_map}
+        _write_text(tmp / "model.safetensors.index.json", json.dumps(index, indent=2))
+
+    for source in Path(config_source).iterdir():
+        if source.is_file() and not source.name.endswith(_WEIGHT_SUFFIXES):
+            shutil.copy2(source, tmp / source.name)
+    config_json = json.loads(Path(config_source, "config.json").read_text())
+    float_dtypes = {out_dtype(n) for n in names if out_dtype(n).is_floating_point}
+    if len(float_dtypes) == 1:  # from_pretrained(dtype="auto") reads it
+        written = str(float_dtypes.pop()).removeprefix("torch.")
+        config_json["dtype"] = written
+        if "torch_dtype" in config_json:  # configs written by transformers < 4.56
+            config_json["torch_dtype"] = written
+    _write_text(tmp / "config.json", json.dumps(config_json, indent=2) + "\n")
+
+    replaced = Path(f"{out}.old")
+    shutil.rmtree(replaced, ignore_errors=True)  # left by a crash between the two renames
+    if out.exists():
+        os.replace(out, replaced)
+    os.replace(tmp, out)
+    shutil.rmtree(replaced, ignore_errors=True)
+    logger.info("Exported %s of %s to %s (%d shards)", model_name, ckpt, out, len(shards))
+    return str(out)
+
+
+# ---------------------------------------------------------------- helpers
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _rank() -> int:
+    return dist.get_rank() if _distributed() else 0
+
+
+def _world_size() -> int:
+    return dist.get_world_size() if _distributed() else 1
+
+
+def _barrier() -> None:
+    if _distributed():
+        dist.barrier()
+
+
+@contextmanager
+def _single_process_quiet():
+    # DCP warns on every call without a process group, even when told so with no_dist=True.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
+
+
+def _complete_steps(root: str | os.PathLike) -> list[int]:
+    if not os.path.isdir(root):
+        return []
+    return sorted(int(m.group(1)) for entry in os.listdir(root)
+                  if (m := _STEP_DIR.match(entry)) and os.path.isdir(os.path.join(root, entry)))
+
+
+def _resolve_checkpoint(path: str | os.PathLike) -> str:
+    if os.path.isfile(os.path.join(path, "trainer_state.json")):
+        return str(path)
+    step = latest_step(path)
+    if step is None:
+        raise FileNotFoundError(f"{path} is neither a checkpoint (global_step_<N>/) nor a directory of checkpoints")
+    return checkpoint_dir(path, step)
+
+
+def _hf_name(key: str) -> str:
+    for segment in _WRAPPER_SEGMENTS:
+        key = key.replace(segment, "")
+    return key
+
+
+def _rng_state() -> dict[str, Any]:
+    # numpy's state as a tensor, so that the file loads with weights_only=True.
+    kind, keys, pos, has_gauss, cached_gaussian = np.random.get_state()
+    state = {"python": random.getstate(), "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss,
+                                                    cached_gaussian), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()  # the current device: one GPU per rank
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    kind, keys, pos, has_gauss, cached_gaussian = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached_gaussian))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def _save_file(obj: Any, path: str) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _write_text(path: str | os.PathLike, text: str, atomic: bool = False) -> None:
+    target = f"{path}.writing" if atomic else path
+    with open(target, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    if atomic:
+        os.replace(target, path)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m verl.trainer.checkpoint", description=__doc__.split("\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    export = commands.add_parser("export", help="write one model of a checkpoint as a Hugging Face model directory")
+    export.add_argument("--checkpoint", required=True,
+                        help="a global_step_<N> directory, or the checkpoint root (its newest step)")
+    export.add_argument("--model", default="actor", help="which model of the checkpoint (default: actor)")
+    export.add_argument("--config-source", required=True, help="the original model directory (config, tokenizer)")
+    export.add_argument("--out", required=True, help="output directory (must not exist or be empty)")
+    export.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                        help="cast floating-point weights (default: keep the saved dtype)")
+    export.add_argument("--max-shard-bytes", type=int, default=2**31, help="size limit of one safetensors file")
+    export.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    try:
+        export_hf(args.checkpoint, args.model, args.out, args.config_source, args.max_shard_bytes, args.dtype,
+                  args.overwrite)
+    except (FileNotFoundError, FileExistsError, ValueError) as error:  # the message says what to do
+        parser.exit(1, f"error: {error}\n")
+
+
+if __name__ == "__main__":
+    main()

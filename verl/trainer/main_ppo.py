@@ -1,0 +1,88 @@
+"""Entry point: `python -m verl.trainer.main_ppo key=value ...` (Hydra, configs/ppo_trainer.yaml).
+
+The driver checks the config, starts Ray, builds the worker groups (policy: actor + rollout +
+reference per GPU; critic when the estimator needs values), loads the data and runs the trainer.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from pathlib import Path
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+CONFIG_DIR = str(Path(__file__).resolve().parents[2] / "configs")
+
+log = logging.getLogger("verl")
+
+
+def run(raw: DictConfig) -> None:
+    import torch
+    from transformers import AutoTokenizer
+
+    from verl.single_controller.ray_group import WorkerGroup, start_ray
+    from verl.single_controller.workers import CriticWorker, PolicyWorker
+    from verl.trainer.config import derive_sizes, load_config
+    from verl.trainer.core_algos import AdvEstimator
+    from verl.trainer.ppo_trainer import PPOTrainer
+    from verl.utils.dataset import PromptSampler, load_examples
+    from verl.utils.tracking import Tracker
+
+    cfg = load_config(raw)
+    sizes = derive_sizes(cfg)
+    run_cfg = cfg.trainer
+    device = run_cfg.device if run_cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    AdvEstimator(cfg.algorithm.adv_estimator)  # fails early on an unknown estimator
+
+    tokenizer = AutoTokenizer.from_pretrained(cfg.actor_rollout_ref.model.path)
+    data = cfg.data
+    train = load_examples(data.train_files, tokenizer, data.max_prompt_length, data.apply_chat_template,
+                          data.train_data_num)
+    val = (load_examples(data.val_files, tokenizer, data.max_prompt_length, data.apply_chat_template,
+                         data.val_data_num) if data.val_files else None)
+    sampler = PromptSampler(train, data.train_batch_size, data.shuffle_train_dataloader, data.seed)
+    total_steps = run_cfg.total_training_steps or sampler.steps_per_epoch * run_cfg.total_epochs
+    log.info("%d training prompts, %d steps of %d prompts × %d samples on %d %s workers",
+             len(train), total_steps, sizes.prompts_per_step, cfg.actor_rollout_ref.rollout.n_agent,
+             sizes.world, device)
+
+    start_ray(run_cfg.ray_address, device)
+    needs_critic = cfg.algorithm.adv_estimator == AdvEstimator.GAE
+    share = 0.5 if needs_critic else 1.0
+    args = (cfg, sizes, total_steps, device)
+    policy = WorkerGroup(PolicyWorker, sizes.world, device, share, "policy", *args)
+    critic = WorkerGroup(CriticWorker, sizes.world, device, share, "critic", *args) if needs_critic else None
+    device_name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    os.makedirs(run_cfg.default_local_dir, exist_ok=True)
+    OmegaConf.save(raw, os.path.join(run_cfg.default_local_dir, "config.yaml"))
+    tracker = Tracker(run_cfg.logger, run_cfg.default_local_dir, run_cfg.project_name,
+                      run_cfg.experiment_name, OmegaConf.to_container(raw, resolve=True))
+    trainer = PPOTrainer(cfg, sizes, policy, critic, tokenizer, sampler, val, tracker, total_steps, device_name)
+    trainer.n_params = sum(p.numel() for p in _count_params(cfg.actor_rollout_ref.model.path))
+    trainer.fit()
+
+
+def _count_params(path):
+    """Parameter shapes from the config alone (no weights loaded in the driver)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+    return list(model.parameters())
+
+
+@hydra.main(config_path=CONFIG_DIR, config_name="ppo_trainer", version_base=None)
+def main(raw: DictConfig) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from verl.trainer.config import ConfigError
+    try:
+        run(raw)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,272 @@
+"""The training loop, run by the Ray driver (single controller).
+
+One step, as data: prompts → rollout on every worker (agent loop + colocated engine) → rewards
+(decoded responses, reward function named in the config) → old/ref log-probs, values →
+advantages (pure functions in core_algos) → critic and actor updates → new weights pushed into
+the engines. Validation, metrics and checkpoints around it.
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import logging
+import os
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+
+import numpy as np
+import torch
+
+from verl.protocol import RolloutBatch
+from verl.trainer import core_algos
+from verl.trainer.config import Sizes, TrainerConfig
+from verl.utils.dataset import Example, PromptSampler
+
+log = logging.getLogger(__name__)
+
+# bf16 dense tensor-core peaks (data sheets), for the MFU estimate.
+PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
+
+
+def load_reward_fn(spec: str | None):
+    """'module:function' → callable(data_source, response_text, ground_truth)."""
+    if not spec:
+        raise ValueError("reward.function is not set: give it as 'module:function', e.g. "
+                         "search_r1.rewards:score_for")
+    module, _, name = spec.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+class Timer:
+    def __init__(self):
+        self.seconds = {}
+
+    @contextmanager
+    def __call__(self, name):
+        t = time.perf_counter()
+        yield
+        self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t
+
+
+class PPOTrainer:
+    def __init__(self, cfg: TrainerConfig, sizes: Sizes, policy, critic, tokenizer, sampler: PromptSampler,
+                 val_examples: list[Example] | None, tracker, total_steps: int, device_name: str):
+        self.cfg, self.sizes, self.policy, self.critic = cfg, sizes, policy, critic
+        self.tokenizer, self.sampler, self.val_examples = tokenizer, sampler, val_examples
+        self.tracker, self.total_steps = tracker, total_steps
+        self.reward_fn = load_reward_fn(cfg.reward.function)
+        self.estimator = core_algos.AdvEstimator(cfg.algorithm.adv_estimator)
+        kl = cfg.algorithm.kl_ctrl
+        self.kl_ctrl = (core_algos.AdaptiveKLController(kl.kl_coef, kl.target_kl, kl.horizon)
+                        if kl.type == "adaptive" else core_algos.FixedKLController(kl.kl_coef))
+        self.use_reference = cfg.actor_rollout_ref.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
+        self.peak_flops = next((v for k, v in PEAK_FLOPS.items() if k in device_name), None)
+        self.out_dir = cfg.trainer.default_local_dir
+        self.step = 0
+
+    # -- the step ------------------------------------------------------------------------------
+
+    def train_step(self, examples: list[Example]) -> dict:
+        t = Timer()
+        with t("rollout"):
+            batch = self.rollout(examples, self.cfg.actor_rollout_ref.rollout.n_agent, greedy=False)
+        with t("reward"):
+            batch.rewards_B, metrics = self.score(batch)
+        with t("old_log_probs"):
+            batch.old_logprobs_BR = self.fan_out(self.policy, "compute_log_probs", batch)
+        if self.use_reference:
+            with t("ref_log_probs"):
+                batch.ref_logprobs_BR = self.fan_out(self.policy, "compute_ref_log_probs", batch)
+        if self.critic is not None:
+            with t("values"):
+                batch.values_BR = self.fan_out(self.critic, "compute_values", batch)
+        with t("advantages"):
+            metrics |= self.compute_advantages(batch)
+        if self.critic is not None:
+            with t("update_critic"):
+                metrics |= _mean_dicts(self.fan_out(self.critic, "update_critic", batch, cat=False))
+        with t("update_actor"):
+            metrics |= _mean_dicts(self.fan_out(self.policy, "update_actor", batch, cat=False))
+        with t("weight_sync"):
+            self.policy.call("sync_weights", step=self.step)
+        return metrics | self.throughput(batch, t.seconds) | {f"timing_s/{k}": v for k, v in t.seconds.items()}
+
+    # -- phases --------------------------------------------------------------------------------
+
+    def rollout(self, examples: list[Example], n: int, greedy: bool) -> RolloutBatch:
+        rows = [e for e in examples for _ in range(n)]
+        world = len(self.policy.workers)
+        per = -(-len(rows) // world)
+        r = self.cfg.actor_rollout_ref.rollout
+        temperature, top_p = (0.0, 1.0) if greedy else (r.temperature, r.top_p)
+        refs = [w.generate.remote([e.prompt_ids for e in rows[i * per:(i + 1) * per]],
+                                  [e.index for e in rows[i * per:(i + 1) * per]],
+                                  temperature, top_p, self.cfg.data.max_response_length)
+                for i, w in enumerate(self.policy.workers) if rows[i * per:(i + 1) * per]]
+        batch = RolloutBatch.concat(self.policy.get(refs, "rollout", self.step))
+        batch.info["data_source"] = [e.data_source for e in rows]
+        batch.info["ground_truth"] = [e.ground_truth for e in rows]
+        return batch
+
+    def score(self, batch: RolloutBatch) -> tuple[torch.Tensor, dict]:
+        rewards, em, by_source = [], [], defaultdict(list)
+        texts = self.tokenizer.batch_decode(batch.info["response_ids"], skip_special_tokens=True)
+        batch.info["response_text"] = texts
+        for text, source, gt in zip(texts, batch.info["data_source"], batch.info["ground_truth"]):
+            result = self.reward_fn(source, text, gt)
+            score = float(getattr(result, "score", result))
+            rewards.append(score)
+            em.append(float(getattr(result, "em", score)))
+            by_source[source].append(em[-1])
+        stats = batch.info["stats"]
+        metrics = {"reward/mean": float(np.mean(rewards)), "reward/em": float(np.mean(em)),
+                   "response/length": float(np.mean([s["response_tokens"] for s in stats])),
+                   "response/model_tokens": float(np.mean([s["model_tokens"] for s in stats])),
+                   "response/observation_tokens": float(np.mean([s["response_tokens"] - s["model_tokens"]
+                                                                 for s in stats])),
+                   "agent/turns": float(np.mean([s.get("turns", 1) for s in stats])),
+                   "agent/searches": float(np.mean([s.get("searches", 0) for s in stats]))}
+        for reason in {s["finish"] for s in stats}:
+            metrics[f"agent/finish_{reason}"] = float(np.mean([s["finish"] == reason for s in stats]))
+        for source, values in by_source.items():
+            metrics[f"reward/em/{source}"] = float(np.mean(values))
+        batch.info["reward"] = rewards
+        return torch.tensor(rewards, dtype=torch.float32), metrics
+
+    def compute_advantages(self, batch: RolloutBatch) -> dict:
+        a = self.cfg.algorithm
+        mask_BR = batch.loss_mask_BR if self.cfg.actor_rollout_ref.actor.state_masking else batch.response_mask_BR
+        metrics = {}
+        if self.estimator in (core_algos.AdvEstimator.GAE, core_algos.AdvEstimator.REINFORCE_PP):
+            token_rewards_BR = core_algos.token_level_rewards(batch.rewards_B, mask_BR)
+            if a.use_kl_in_reward:
+                kl_BR = core_algos.kl_penalty(batch.old_logprobs_BR, batch.ref_logprobs_BR, a.kl_penalty)
+                token_rewards_BR, mean_kl = core_algos.apply_kl_penalty(token_rewards_BR, kl_BR, mask_BR,
+                                                                        self.kl_ctrl.value)
+                self.kl_ctrl.update(float(mean_kl), len(batch))
+                metrics |= {"kl/reward_kl": float(mean_kl), "kl/coef": float(self.kl_ctrl.value)}
+            if self.estimator == core_algos.AdvEstimator.GAE:
+                adv_BR, ret_BR = core_algos.gae_advantages(token_rewards_BR, batch.values_BR, mask_BR, a.gamma, a.lam)
+            else:
+                adv_BR, ret_BR = core_algos.reinforce_pp_advantages(token_rewards_BR, mask_BR, a.gamma)
+        else:
+            adv_BR, ret_BR = core_algos.compute_advantages(
+                self.estimator, rewards_B=batch.rewards_B, group_ids_B=batch.group_ids_B, mask_BR=mask_BR,
+                gamma=a.gamma, lam=a.lam, normalize_std=a.norm_adv_by_std_in_grpo)
+        batch.advantages_BR, batch.returns_BR = adv_BR, ret_BR
+        return metrics | {"advantages/mean": float(core_algos.masked_mean(adv_BR, mask_BR))}
+
+    def fan_out(self, group, method: str, batch: RolloutBatch, cat: bool = True):
+        """Split the batch over the group's workers, call `method` on each part, gather."""
+        parts = batch.split(len(group.workers))
+        results = group.get([getattr(w, method).remote(part) for w, part in zip(group.workers, parts)],
+                            method, self.step)
+        if not cat:
+            return results
+        width = batch.input_ids_BT.shape[1] - batch.prompt_width
+        return torch.cat([torch.nn.functional.pad(r, (0, width - r.shape[1])) for r in results])
+
+    def throughput(self, batch: RolloutBatch, seconds: dict) -> dict:
+        tokens = int(batch.attention_mask_BT.sum())
+        generated = sum(s["model_tokens"] for s in batch.info["stats"])
+        out = {"throughput/generated_tokens_per_s": generated / max(seconds["rollout"], 1e-9),
+               "throughput/train_tokens_per_s": tokens / max(seconds["update_actor"], 1e-9)}
+        if self.peak_flops and getattr(self, "n_params", None):
+            # forward+backward ≈ 6 FLOPs per parameter per token (attention left out)
+            out["throughput/mfu_actor_update"] = 6 * self.n_params * tokens * self.cfg.actor_rollout_ref.actor.ppo_epochs / (
+                seconds["update_actor"] * self.peak_flops * self.sizes.world)
+        return out
+
+    # -- loop ----------------------------------------------------------------------------------
+
+    def validate(self) -> dict:
+        if not self.val_examples:
+            return {}
+        t = time.perf_counter()
+        batch = self.rollout(self.val_examples, 1, greedy=True)
+        _, metrics = self.score(batch)
+        self.write_samples(batch, f"val_step_{self.step}")
+        out = {f"val/{k}": v for k, v in metrics.items()}
+        out["timing_s/validation"] = time.perf_counter() - t
+        return out
+
+    def write_samples(self, batch: RolloutBatch, name: str, limit: int = 64):
+        """Trajectories with their token masks, for the report and for reading by eye."""
+        path = os.path.join(self.out_dir, "samples", f"{name}.jsonl")
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w") as f:
+            for i in range(min(limit, len(batch))):
+                f.write(json.dumps({"step": self.step, "data_source": batch.info["data_source"][i],
+                                    "ground_truth": _jsonable(batch.info["ground_truth"][i]),
+                                    "response": batch.info["response_text"][i],
+                                    "response_ids": batch.info["response_ids"][i],
+                                    "loss_mask": batch.info["loss_mask"][i],
+                                    "reward": batch.info["reward"][i], **batch.info["stats"][i]}) + "\n")
+
+    def save(self):
+        from verl.trainer.checkpoint import export_hf
+        root = os.path.join(self.out_dir, "checkpoints")
+        state = {"step": self.step, "sampler": self.sampler.state(), "kl_coef": float(self.kl_ctrl.value)}
+        keep = self.cfg.trainer.keep_last_checkpoints
+        if self.critic is not None:  # the critic first: the actor's `latest` marks a complete step
+            self.critic.call("save", root, self.step, state, keep, step=self.step)
+        self.policy.call("save", root, self.step, state, keep, step=self.step)
+        if self.cfg.trainer.export_hf_on_save:
+            export_hf(os.path.join(root, f"global_step_{self.step}"), "actor",
+                      os.path.join(self.out_dir, "hf_actor"), self.cfg.actor_rollout_ref.model.path,
+                      overwrite=True)
+
+    def resume(self):
+        from verl.trainer.checkpoint import latest_step
+        root = os.path.join(self.out_dir, "checkpoints")
+        step = latest_step(root) if self.cfg.trainer.resume_mode == "auto" else None
+        if step is None:
+            return
+        state = self.policy.call("load", root, step)[0]
+        if self.critic is not None:
+            self.critic.call("load", root, step)
+        self.step = state["step"]
+        self.sampler.restore(state["sampler"])
+        self.kl_ctrl.value = state.get("kl_coef", self.kl_ctrl.value)
+        log.info("resumed from step %d (%s)", step, root)
+
+    def fit(self):
+        from tqdm import tqdm
+
+        self.resume()
+        run = self.cfg.trainer
+        if run.val_before_train and self.step == 0:
+            self.tracker.log(self.validate(), step=0)
+        with tqdm(total=self.total_steps, initial=self.step, desc="training", unit="step") as bar:
+            while self.step < self.total_steps:
+                examples = self.sampler.next_batch()
+                with open(os.path.join(self.out_dir, "data_order.jsonl"), "a") as f:  # for audits of resume
+                    f.write(json.dumps({"step": self.step + 1, "indices": [e.index for e in examples]}) + "\n")
+                t = time.perf_counter()
+                metrics = self.train_step(examples)
+                self.step += 1
+                metrics["timing_s/step"] = time.perf_counter() - t
+                metrics["data/epoch"] = self.sampler.epoch
+                last = self.step == self.total_steps
+                if run.test_freq > 0 and (self.step % run.test_freq == 0 or last):
+                    metrics |= self.validate()
+                if run.save_freq > 0 and (self.step % run.save_freq == 0 or last):
+                    self.save()
+                self.tracker.log(metrics, step=self.step)
+                bar.update(1)
+                bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}")
+        self.tracker.finish()
+
+
+def _mean_dicts(dicts: list[dict]) -> dict:
+    keys = set().union(*dicts)
+    return {k: float(np.mean([d[k] for d in dicts if k in d])) for k in keys}
+
+
+def _jsonable(x):
+    if isinstance(x, np.ndarray):
+        return x.tolist()
+    if isinstance(x, dict):
+        return {k: _jsonable(v) for k, v in x.items()}
+    return x

@@ -1,0 +1,540 @@
+"""FSDP2 plumbing shared by the Actor, Reference and Critic workers.
+
+- `init_distributed`: one process group per worker process (NCCL on GPUs, gloo on CPU).
+- `build_causal_lm` / `build_value_model`: fp32 master weights, dropout off, optional gradient
+  checkpointing.
+- `shard`: FSDP2 (`fully_shard`) on every decoder layer, then on the root.
+- `full_state_dict_iter`: full tensors one at a time, for pushing weights to the rollout engine.
+- `forward_packed` / `forward_padded`: response log-probs (and entropy); `values_packed` /
+  `values_padded`: critic values. The packed forms are what the workers use; the padded forms are
+  the plain reference the tests compare against.
+- `clip_grad_norm_`, `build_optimizer`, `build_lr_scheduler`, `move_optimizer_state`, `loss_units`,
+  `shuffled_mini_batches`, `check_batch_sizes`, `mixed_precision_context`: training helpers used by
+  both Actor and Critic (the loss-scaling rule they implement is explained in `verl.workers.actor`).
+
+Packing. Rows are [left-padded prompt | right-padded response] (see `verl.protocol`). A forward over
+the padded batch spends compute on padding, which in multi-turn search rollouts (very different
+response lengths) is often most of the batch. `forward_packed` drops the padding and concatenates
+the real tokens of several rows into ONE sequence of length L (batch dimension 1), with position ids
+restarting at 0 for every row, and keeps rows from attending to each other:
+- with flash-attention-2 (`attn_implementation="flash_attention_2"`), transformers reads the row
+  boundaries from the position ids (varlen kernel, no mask): one pack per call;
+- otherwise (SDPA, eager) we pass an explicit block-diagonal causal mask of shape [1, 1, L, L]. It
+  costs O(L²) memory (bool for SDPA: 64 MiB at L = 8192; SDPA's memory-efficient kernel turns it into
+  an L×L bias of the compute dtype), so rows are grouped into packs of at most `max_tokens_per_pack`
+  real tokens (a single longer row gets a pack of its own) and the model runs once per pack.
+
+Under FSDP every forward is a collective (parameters are all-gathered layer by layer), so all ranks
+must run the same number of forwards. The pack count depends on each rank's own data, so
+`forward_packed` agrees on it with one all-reduce (MAX) and ranks that need fewer packs split theirs
+further. The callers already run the same number of micro-batches on every rank.
+
+Logits only where needed: the model is called through its root `forward` (FSDP2 unshards the root's
+parameters — embeddings, final norm, lm_head — only in the root's forward hook, so calling
+`model.model` and `model.lm_head` separately would meet sharded weights) with `logits_to_keep` set to
+the positions that predict response tokens, so lm_head runs on those rows of the hidden states only.
+For a value model we own the wrapper (`ValueModel`) and it does the same with its value head.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import logging
+import math
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from verl.protocol import RolloutBatch
+from verl.trainer.core_algos import LossAgg, entropy_from_logits, logprobs_from_logits
+
+logger = logging.getLogger(__name__)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Process group and devices
+
+
+def init_distributed(timeout_minutes: int = 30) -> tuple[int, int]:
+    """Join the process group described by RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT (env://).
+
+    NCCL when CUDA is available (and the CUDA device is set from LOCAL_RANK first), gloo otherwise.
+    Returns (rank, world_size); does nothing but return them if the group already exists.
+    """
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+    if missing:
+        raise RuntimeError(
+            f"init_distributed needs the environment variables {missing}: launch with torchrun, or set "
+            f"RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT in each worker before creating it")
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    kwargs = {}
+    if torch.cuda.is_available():
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local_rank)
+        backend = "nccl"
+        kwargs["device_id"] = torch.device("cuda", local_rank)  # eager NCCL init, no device guessing
+    else:
+        backend = "gloo"
+    dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(minutes=timeout_minutes), **kwargs)
+    return rank, world_size
+
+
+def compute_device() -> torch.device:
+    """Where forwards run: the current CUDA device, or the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def _comm_device() -> torch.device:
+    """Device for tensors we all-reduce ourselves: NCCL only moves CUDA tensors, gloo CPU ones."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def all_reduce_scalar(value: float, op=dist.ReduceOp.SUM) -> float:
+    """A python number reduced over all ranks (unchanged without a process group)."""
+    if not dist.is_initialized():
+        return value
+    t = torch.tensor([value], dtype=torch.float64, device=_comm_device())
+    dist.all_reduce(t, op=op)
+    return t.item()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Models
+
+
+def pick_attn_implementation(mixed_precision: bool) -> str:
+    """flash-attention-2 where it is installed and the compute dtype is bf16 (it has no fp32
+    kernels), SDPA with an explicit packing mask otherwise."""
+    from transformers.utils import is_flash_attn_2_available
+
+    if torch.cuda.is_available() and mixed_precision and is_flash_attn_2_available():
+        return "flash_attention_2"
+    return "sdpa"
+
+
+def _disable_dropout(model: nn.Module) -> None:
+    # PPO's ratio must be exactly 1 where nothing changed: old log-probs (no grad, eval-like) and the
+    # update's log-probs (train mode, needed for gradient checkpointing) must come from the same
+    # deterministic function. Most LLM configs have dropout 0 already; some do not.
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+        if isinstance(getattr(module, "attention_dropout", None), float):
+            module.attention_dropout = 0.0
+
+
+def _enable_gradient_checkpointing(model) -> None:
+    # Non-reentrant checkpointing: the reentrant variant does not work with FSDP2's hooks and needs
+    # inputs that require grad.
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False
+
+
+def build_causal_lm(path: str, dtype: torch.dtype = torch.float32, gradient_checkpointing: bool = False,
+                    attn_implementation: str = "sdpa") -> nn.Module:
+    """A Hugging Face causal LM on the CPU in `dtype` (keep fp32 for trained models: these are the
+    master weights; FSDP's mixed precision casts to bf16 for compute)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
+    _disable_dropout(model)
+    if gradient_checkpointing:
+        _enable_gradient_checkpointing(model)
+    return model
+
+
+class ValueModel(nn.Module):
+    """A decoder-only backbone (`AutoModel`: the causal LM without its lm_head) and a linear value
+    head, initialised to zero so that the first values are 0 instead of noise of the size of the
+    hidden states.
+
+    Why not `AutoModelForTokenClassification(num_labels=1)`: it exists only for some architectures,
+    while `AutoModel` loads the base model of every decoder-only checkpoint (the lm_head weights are
+    simply not used). The backbone sits at `.model`, like in HF causal LMs, so `shard` finds the
+    decoder layers the same way. `forward` mirrors the causal LM's `logits_to_keep` argument.
+    """
+
+    def __init__(self, backbone: nn.Module):
+        super().__init__()
+        self.model = backbone
+        self.config = backbone.config
+        hidden = self.config.get_text_config().hidden_size
+        self.value_head = nn.Linear(hidden, 1, dtype=next(backbone.parameters()).dtype)
+        nn.init.zeros_(self.value_head.weight)
+        nn.init.zeros_(self.value_head.bias)
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None, logits_to_keep=0, use_cache=False):
+        hidden_BTH = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                use_cache=use_cache).last_hidden_state
+        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        return self.value_head(hidden_BTH[:, keep]).squeeze(-1)  # [B, kept]
+
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None):
+        self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=gradient_checkpointing_kwargs)
+
+
+def build_value_model(path: str, dtype: torch.dtype = torch.float32, gradient_checkpointing: bool = False,
+                      attn_implementation: str = "sdpa") -> ValueModel:
+    """`ValueModel` with the backbone of the checkpoint at `path` (a causal LM checkpoint is fine)."""
+    from transformers import AutoModel
+
+    backbone = AutoModel.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
+    model = ValueModel(backbone)
+    _disable_dropout(model)
+    if gradient_checkpointing:
+        _enable_gradient_checkpointing(model)
+    return model
+
+
+def _decoder_layers(model: nn.Module) -> list[nn.Module]:
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if isinstance(layers, nn.ModuleList) and len(layers):
+        return list(layers)
+    layers = [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
+    if not layers:
+        raise ValueError(
+            f"no decoder layers found in {type(model).__name__} (looked for `model.model.layers` and modules "
+            f"whose class name ends with 'DecoderLayer'): extend verl.workers.fsdp._decoder_layers for it")
+    return layers
+
+
+def shard(model: nn.Module, cpu_offload: bool = False, mixed_precision: bool = True) -> nn.Module:
+    """FSDP2 over all ranks: one unit per decoder layer (so only one layer's full weights exist at a
+    time), then the root (embeddings, final norm, heads). Parameters stay in their dtype (fp32 master
+    weights); on CUDA with `mixed_precision` they are all-gathered and used in bf16, and gradients are
+    reduced in fp32. `cpu_offload` keeps the shards (and so the optimizer step) on the CPU."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    on_cuda = torch.cuda.is_available()
+    kwargs = {}
+    if mixed_precision and on_cuda:
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    elif mixed_precision:
+        logger.info("mixed precision is for CUDA only; computing in fp32 on the CPU")
+    if cpu_offload and on_cuda:
+        kwargs["offload_policy"] = CPUOffloadPolicy()
+    elif cpu_offload:
+        logger.info("parameter offload is for CUDA only; parameters are on the CPU already")
+    else:
+        kwargs["offload_policy"] = OffloadPolicy()
+    for layer in _decoder_layers(model):
+        fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
+    return model
+
+
+def _full_tensor(t: torch.Tensor) -> torch.Tensor:
+    if not isinstance(t, DTensor):
+        return t
+    local = t.to_local()
+    device = _comm_device()
+    if local.device != device:
+        # CPU-offloaded shards: NCCL cannot gather CPU tensors, so gather on the GPU.
+        local = local.to(device)
+        t = DTensor.from_local(local, t.device_mesh, t.placements, shape=t.shape, stride=t.stride(), run_check=False)
+    return t.full_tensor()
+
+
+def full_state_dict_iter(model: nn.Module, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, full tensor) for every parameter and persistent buffer, one at a time, so that at most
+    one full parameter exists beside the shards. A collective: every rank must consume the whole
+    iterator. Names are those of the unwrapped HF model (FSDP2 adds no prefixes); tied weights come
+    once (`named_parameters` removes duplicates, as the rollout engines expect)."""
+    for name, param in model.named_parameters():
+        full = _full_tensor(param.detach())
+        yield name, full.to(dtype) if dtype is not None else full
+    for module_name, module in model.named_modules():
+        for buf_name, buf in module.named_buffers(recurse=False):
+            if buf is None or buf_name in module._non_persistent_buffers_set:
+                continue
+            full = _full_tensor(buf)
+            yield f"{module_name}.{buf_name}" if module_name else buf_name, full.to(dtype) if dtype is not None else full
+
+
+# ---------------------------------------------------------------------------------------------------
+# Forwards: response log-probs, entropies and values
+
+
+def plan_packs(lengths: list[int], max_tokens: int | None, min_packs: int = 1) -> list[range]:
+    """Consecutive row ranges whose token counts sum to at most `max_tokens` (a longer row gets a
+    range of its own), split further until there are at least `min_packs` of them."""
+    packs: list[range] = []
+    start, tokens = 0, 0
+    for i, n in enumerate(lengths):
+        if i > start and max_tokens is not None and tokens + n > max_tokens:
+            packs.append(range(start, i))
+            start, tokens = i, 0
+        tokens += n
+    packs.append(range(start, len(lengths)))
+    if min_packs > len(lengths):
+        raise ValueError(f"cannot split {len(lengths)} rows into {min_packs} packs")
+    while len(packs) < min_packs:  # halve the pack with the most rows
+        i = max(range(len(packs)), key=lambda j: len(packs[j]))
+        r = packs[i]
+        mid = r.start + len(r) // 2
+        packs[i:i + 1] = [range(r.start, mid), range(mid, r.stop)]
+    return packs
+
+
+def _agree_on_pack_count(n: int) -> int:
+    return int(all_reduce_scalar(n, dist.ReduceOp.MAX))
+
+
+def _response_positions(attention_mask_BT: torch.Tensor, prompt_width: int):
+    """Which response tokens exist, and check that the token before each one is real (the layout
+    of `verl.protocol`: contiguous real tokens, at least one prompt token)."""
+    real_BT = attention_mask_BT.bool()
+    target_BR = real_BT[:, prompt_width:]
+    prev_BR = real_BT[:, prompt_width - 1:-1] if prompt_width > 0 else torch.zeros_like(target_BR)
+    if not bool((prev_BR | ~target_BR).all()):
+        raise ValueError(
+            "every response token must follow a real token: rows must be [left-padded prompt | right-padded "
+            "response] with a non-empty prompt (build batches with verl.protocol.pack_trajectories)")
+    return real_BT, target_BR
+
+
+def _packed_outputs(model, input_ids_BT, attention_mask_BT, prompt_width, max_tokens_per_pack):
+    """For each pack: (row range, target_bR, out_N...) where out holds the model's output (logits or
+    values) at the N positions that predict the pack's response tokens, in row-major order."""
+    real_BT, target_BR = _response_positions(attention_mask_BT, prompt_width)
+    P = prompt_width
+    flash = getattr(model.config, "_attn_implementation", "sdpa") == "flash_attention_2"
+    lengths = real_BT.sum(1).tolist()
+    packs = plan_packs(lengths, None if flash else max_tokens_per_pack)
+    n_packs = _agree_on_pack_count(len(packs))
+    if n_packs > len(packs):
+        packs = plan_packs(lengths, None if flash else max_tokens_per_pack, min_packs=n_packs)
+    for rows in packs:
+        real_bT = real_BT[rows.start:rows.stop]
+        ids_L = input_ids_BT[rows.start:rows.stop][real_bT]
+        pos_bT = real_bT.long().cumsum(1) - 1
+        pos_L = pos_bT[real_bT]
+        # Index of every real token inside the packed sequence; -1 on padding.
+        flat_bT = real_bT.flatten().long().cumsum(0).view_as(real_bT) - 1
+        target_bR = target_BR[rows.start:rows.stop]
+        src_N = flat_bT[:, P - 1:-1][target_bR]  # the position whose output predicts response token j
+        if flash:
+            mask = None  # transformers derives the row boundaries (cu_seqlens) from position_ids
+        else:
+            row_L = torch.arange(len(rows), device=real_bT.device)[:, None].expand_as(real_bT)[real_bT]
+            L = ids_L.shape[0]
+            causal_LL = torch.ones(L, L, dtype=torch.bool, device=ids_L.device).tril_()
+            mask = (causal_LL & (row_L[:, None] == row_L[None, :]))[None, None]
+            if getattr(model.config, "_attn_implementation", "sdpa") == "eager":
+                # eager attention adds the mask to the scores
+                dtype = next(model.parameters()).dtype
+                mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, torch.finfo(dtype).min)
+        out = model(input_ids=ids_L[None], attention_mask=mask, position_ids=pos_L[None], logits_to_keep=src_N,
+                    use_cache=False)
+        out = out.logits if hasattr(out, "logits") else out
+        yield rows, target_bR, out[0]
+
+
+def _scatter_rows(values_N: torch.Tensor, target_bR: torch.Tensor) -> torch.Tensor:
+    out_bR = torch.zeros(target_bR.shape, dtype=values_N.dtype, device=values_N.device)
+    out_bR[target_bR] = values_N  # index_put keeps the autograd graph of values_N
+    return out_bR
+
+
+def _logprobs_and_entropy(logits_NV, labels_N, temperature, compute_entropy, entropy_grad):
+    # fp32 before the softmax: bf16 log-probs are too coarse for PPO's ratio.
+    logits_NV = logits_NV.float() / temperature
+    logprobs_N = logprobs_from_logits(logits_NV, labels_N)
+    entropy_N = None
+    if compute_entropy:
+        if entropy_grad:
+            entropy_N = entropy_from_logits(logits_NV)
+        else:  # metrics only: do not keep an N×V softmax alive for backward
+            with torch.no_grad():
+                entropy_N = entropy_from_logits(logits_NV.detach())
+    return logprobs_N, entropy_N
+
+
+def forward_packed(model, input_ids_BT, attention_mask_BT, prompt_width: int, temperature: float = 1.0,
+                   compute_entropy: bool = False, max_tokens_per_pack: int | None = 8192,
+                   entropy_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs (and entropies) of the response tokens, padding removed (see module docstring).
+
+    Returns logprobs_BR (fp32, 0 where the response is padding) and entropy_BR or None. Gradients
+    flow unless called under no_grad; `entropy_grad=False` computes the entropy for metrics only.
+    Under FSDP this is a collective: every rank must call it the same number of times.
+    """
+    P = prompt_width
+    logprobs, entropies = [], []
+    for rows, target_bR, logits_NV in _packed_outputs(model, input_ids_BT, attention_mask_BT, P, max_tokens_per_pack):
+        labels_N = input_ids_BT[rows.start:rows.stop, P:][target_bR]
+        logprobs_N, entropy_N = _logprobs_and_entropy(logits_NV, labels_N, temperature, compute_entropy, entropy_grad)
+        logprobs.append(_scatter_rows(logprobs_N, target_bR))
+        if compute_entropy:
+            entropies.append(_scatter_rows(entropy_N, target_bR))
+    return torch.cat(logprobs), torch.cat(entropies) if compute_entropy else None
+
+
+def _padded_position_ids(attention_mask_BT):
+    # Positions count real tokens only, so a left-padded row sees the same positions as packed.
+    return (attention_mask_BT.long().cumsum(1) - 1).clamp_(min=0)
+
+
+def forward_padded(model, input_ids_BT, attention_mask_BT, prompt_width: int, temperature: float = 1.0,
+                   compute_entropy: bool = False, entropy_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The plain padded forward that `forward_packed` must agree with (same outputs)."""
+    P = prompt_width
+    _, target_BR = _response_positions(attention_mask_BT, P)
+    R = input_ids_BT.shape[1] - P
+    logits_BRV = model(input_ids=input_ids_BT, attention_mask=attention_mask_BT,
+                       position_ids=_padded_position_ids(attention_mask_BT), logits_to_keep=R + 1,
+                       use_cache=False).logits[:, :-1]  # positions P-1 … T-2 predict tokens P … T-1
+    logprobs_BR, entropy_BR = _logprobs_and_entropy(logits_BRV, input_ids_BT[:, P:], temperature,
+                                                    compute_entropy, entropy_grad)
+    zero = target_BR.logical_not()
+    logprobs_BR = logprobs_BR.masked_fill(zero, 0.0)
+    return logprobs_BR, entropy_BR.masked_fill(zero, 0.0) if compute_entropy else None
+
+
+def values_packed(model: ValueModel, input_ids_BT, attention_mask_BT, prompt_width: int,
+                  max_tokens_per_pack: int | None = 8192) -> torch.Tensor:
+    """values_BR: V of the state before each response token (the output at the token's predecessor,
+    the same positions that predict it), fp32, 0 on padding."""
+    values = [_scatter_rows(values_N.float(), target_bR) for _, target_bR, values_N in
+              _packed_outputs(model, input_ids_BT, attention_mask_BT, prompt_width, max_tokens_per_pack)]
+    return torch.cat(values)
+
+
+def values_padded(model: ValueModel, input_ids_BT, attention_mask_BT, prompt_width: int) -> torch.Tensor:
+    _, target_BR = _response_positions(attention_mask_BT, prompt_width)
+    R = input_ids_BT.shape[1] - prompt_width
+    values_BR = model(input_ids=input_ids_BT, attention_mask=attention_mask_BT,
+                      position_ids=_padded_position_ids(attention_mask_BT), logits_to_keep=R + 1)[:, :-1]
+    return values_BR.float().masked_fill(target_BR.logical_not(), 0.0)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Training helpers shared by Actor and Critic
+
+
+def clip_grad_norm_(parameters, max_norm: float | None) -> float:
+    """Global L2 norm of the gradients over all ranks, and clip them to `max_norm` (None: no clip).
+
+    Written out instead of `torch.nn.utils.clip_grad_norm_` because it must also work with
+    CPU-offloaded FSDP2 shards (the DTensor reduction would try NCCL on CPU tensors). FSDP2 shards
+    every parameter over all ranks with no overlap, so the global squared norm is the sum over
+    ranks of the local shards' squared norms. Returns the norm before clipping (inf/nan pass
+    through: the caller skips the step).
+    """
+    parameters = [p for p in parameters if p.grad is not None]
+    grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in parameters]
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for g in grads:
+        by_device.setdefault(g.device, []).append(g.detach())
+    sq = torch.zeros((), dtype=torch.float64, device=_comm_device())
+    for gs in by_device.values():  # one host transfer per device, not per parameter
+        norms = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in gs])
+        sq += norms.double().pow(2).sum().to(sq.device)
+    if dist.is_initialized() and any(isinstance(p.grad, DTensor) for p in parameters):
+        dist.all_reduce(sq)
+    total = math.sqrt(sq.item())
+    if max_norm is not None and max_norm > 0 and math.isfinite(total) and total > max_norm:
+        scale = max_norm / (total + 1e-6)
+        for g in grads:
+            g.mul_(scale)
+    return total
+
+
+def build_optimizer(model: nn.Module, lr: float, weight_decay: float, betas: tuple[float, float]):
+    # Weight decay on all parameters (norm weights and biases included): simple, and what the
+    # original Search-R1 (verl) runs did.
+    return torch.optim.AdamW(model.parameters(), lr=lr, betas=tuple(betas), weight_decay=weight_decay)
+
+
+@dataclass
+class LRFactor:
+    """Multiplier of the base learning rate at scheduler step `step` (one step per training step):
+    linear warm-up from 1/warmup_steps to 1, then constant or cosine down to `min_lr_ratio` at
+    `total_steps`. A callable object (not a lambda) so LambdaLR's state_dict can save it."""
+    warmup_steps: int
+    total_steps: int | None
+    schedule: str
+    min_lr_ratio: float
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup_steps:
+            return (step + 1) / self.warmup_steps
+        if self.schedule == "constant":
+            return 1.0
+        progress = min(1.0, (step - self.warmup_steps) / max(1, self.total_steps - self.warmup_steps))
+        return self.min_lr_ratio + (1.0 - self.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def build_lr_scheduler(optimizer, warmup_steps: int, total_steps: int | None, schedule: str, min_lr_ratio: float):
+    if schedule not in ("constant", "cosine"):
+        raise ValueError(f"lr_schedule={schedule!r}: use 'constant' or 'cosine'")
+    if schedule == "cosine" and not total_steps:
+        raise ValueError("lr_schedule='cosine' needs total_steps (the number of training steps)")
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, LRFactor(warmup_steps, total_steps, schedule, min_lr_ratio))
+
+
+def move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
+    """Move the optimizer's state tensors (Adam moments: twice the parameters' size) to `device`.
+    Used to park them on the CPU between updates. Blocking copies: simple and always correct.
+    0-dim tensors (Adam's step counters) stay where the optimizer keeps them (the CPU).
+
+    `DTensor.to` moves the local shard and keeps the sharding (a DTensor whose shard is on the CPU
+    while its mesh is on CUDA, like FSDP2's own CPU-offloaded parameters); `DTensor.from_local`
+    would not do: it moves the shard to the mesh's device."""
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and value.dim() > 0:
+                state[key] = value.to(device)
+
+
+def loss_units(mask_BR: torch.Tensor, agg: str) -> float:
+    """What `agg_loss(…, mask_BR, agg)` averages over: unmasked tokens for token-mean, sequences
+    with at least one unmasked token for the seq-mean modes."""
+    if LossAgg(agg) == LossAgg.TOKEN_MEAN:
+        return float(mask_BR.sum())
+    return float((mask_BR.sum(-1) > 0).sum())
+
+
+def check_batch_sizes(n_trajectories: int, mini_batch_size: int, micro_batch_size: int, role: str) -> None:
+    if mini_batch_size <= 0 or n_trajectories % mini_batch_size:
+        raise ValueError(
+            f"{role}: {n_trajectories} trajectories on this process cannot be split into mini-batches of "
+            f"{mini_batch_size}: make the trajectories per step divisible by ppo_mini_batch_size")
+    if mini_batch_size % micro_batch_size:
+        raise ValueError(
+            f"{role}: mini-batch of {mini_batch_size} trajectories is not divisible by the micro-batch size "
+            f"{micro_batch_size}: change ppo_micro_batch_size or ppo_mini_batch_size")
+
+
+def shuffled_mini_batches(batch: RolloutBatch, mini_batch_size: int, seed: int, shuffle: bool) -> list[RolloutBatch]:
+    """The batch's rows in a seeded random order (same seed, same order: runs are reproducible and
+    resumable), cut into mini-batches."""
+    if shuffle:
+        order = torch.randperm(len(batch), generator=torch.Generator().manual_seed(seed))
+    else:
+        order = torch.arange(len(batch))
+    return [batch.select(order[i:i + mini_batch_size]) for i in range(0, len(batch), mini_batch_size)]
+
+
+def mixed_precision_context(sharded: bool, mixed_precision: bool):
+    # Sharded models get bf16 compute from FSDP's MixedPrecisionPolicy; an unsharded model on a GPU
+    # (single-process runs) gets it from autocast.
+    if mixed_precision and not sharded and torch.cuda.is_available():
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
