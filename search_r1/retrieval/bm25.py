@@ -27,6 +27,11 @@ from search_r1.retrieval.corpus import Corpus, Passage
 
 log = logging.getLogger(__name__)
 
+# bm25s imports JAX when it is installed, and JAX by default grabs 75% of every GPU's memory on
+# import: a BM25 server would starve the trainer or the dense index on the same node. BM25 never
+# needs a GPU, so keep JAX (if present) on the CPU.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
 META_FILE = "search_r1_bm25.json"
 TOKEN_PATTERN = r"(?u)\b\w\w+\b"      # words of two or more characters, as bm25s splits them
 K1, B = 0.9, 0.4                      # Anserini's BM25 defaults, which the published index used

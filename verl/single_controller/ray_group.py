@@ -17,7 +17,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 log = logging.getLogger(__name__)
 
 # Environment that every worker process must see (NVLink multicast stays off on shared hosts).
-WORKER_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+WORKER_ENV = {"NCCL_NVLS_ENABLE": "0", "NCCL_CUMEM_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
               "NVSHMEM_DISABLE_NVLS": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
               "TOKENIZERS_PARALLELISM": "false", "VLLM_USE_FLASHINFER_SAMPLER": "0"}
 
@@ -88,3 +88,33 @@ def _failed(ref) -> bool:
         return False
     except Exception:
         return True
+
+
+class _Immediate:
+    """`handle.method.remote(*args)` for an object in this process: runs the call at once."""
+
+    def __init__(self, obj):
+        self._obj = obj
+
+    def __getattr__(self, name):
+        method = getattr(self._obj, name)
+        return type("Call", (), {"remote": staticmethod(lambda *a, **k: method(*a, **k))})
+
+
+class LocalWorkerGroup:
+    """One worker inside the driver process, with WorkerGroup's calling convention
+    (`trainer.single_process=true`, one GPU or CPU worker): no Ray, no process group."""
+
+    def __init__(self, cls, world: int, device: str, gpu_share: float, name: str, *args):
+        if world != 1:
+            raise ValueError("trainer.single_process=true needs trainer.nnodes × n_gpus_per_node = 1")
+        self.name = name
+        obj = cls(0, *args)
+        obj.setup("127.0.0.1", 0)
+        self.workers = [_Immediate(obj)]
+
+    def call(self, method: str, *args, step: int | None = None):
+        return [getattr(self.workers[0]._obj, method)(*args)]
+
+    def get(self, refs, what: str, step: int | None = None):
+        return list(refs)

@@ -17,6 +17,10 @@ log = logging.getLogger(__name__)
 
 
 def _init_process_group(rank: int, world: int, addr: str, port: int, device: str):
+    if world == 1:
+        # One process: the roles run unsharded and no communicator is needed (creating an NCCL
+        # one failed on a virtualised GPU node: "Failed to CUDA calloc async").
+        return
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR=addr, MASTER_PORT=str(port),
                       LOCAL_RANK="0")
     # NVLink multicast must stay off on shared hosts.

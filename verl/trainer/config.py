@@ -168,6 +168,7 @@ class RunConfig:
     default_local_dir: str = "checkpoints/run"
     export_hf_on_save: bool = True
     ray_address: str | None = None
+    single_process: bool = False
     seed: int = 1
 
 

@@ -22,7 +22,7 @@ def run(raw: DictConfig) -> None:
     import torch
     from transformers import AutoTokenizer
 
-    from verl.single_controller.ray_group import WorkerGroup, start_ray
+    from verl.single_controller.ray_group import LocalWorkerGroup, WorkerGroup, start_ray
     from verl.single_controller.workers import CriticWorker, PolicyWorker
     from verl.trainer.config import derive_sizes, load_config
     from verl.trainer.core_algos import AdvEstimator
@@ -48,12 +48,16 @@ def run(raw: DictConfig) -> None:
              len(train), total_steps, sizes.prompts_per_step, cfg.actor_rollout_ref.rollout.n_agent,
              sizes.world, device)
 
-    start_ray(run_cfg.ray_address, device)
     needs_critic = cfg.algorithm.adv_estimator == AdvEstimator.GAE
     share = 0.5 if needs_critic else 1.0
     args = (cfg, sizes, total_steps, device)
-    policy = WorkerGroup(PolicyWorker, sizes.world, device, share, "policy", *args)
-    critic = WorkerGroup(CriticWorker, sizes.world, device, share, "critic", *args) if needs_critic else None
+    if run_cfg.single_process:
+        group_cls = LocalWorkerGroup
+    else:
+        start_ray(run_cfg.ray_address, device)
+        group_cls = WorkerGroup
+    policy = group_cls(PolicyWorker, sizes.world, device, share, "policy", *args)
+    critic = group_cls(CriticWorker, sizes.world, device, share, "critic", *args) if needs_critic else None
     device_name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     os.makedirs(run_cfg.default_local_dir, exist_ok=True)
     OmegaConf.save(raw, os.path.join(run_cfg.default_local_dir, "config.yaml"))

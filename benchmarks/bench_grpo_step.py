@@ -1,0 +1,115 @@
+"""Full GRPO steps through the real entry point, with time per phase.
+
+Builds a random-weight model of a given shape with SmolLM2's tokenizer, the bundled geography
+task as parquet, and a BM25 retrieval server over the bundled corpus; then runs
+`python -m verl.trainer.main_ppo` (search agent, vLLM rollout with sleep/wake and in-memory weight
+sync, FSDP2 actor, reference) for a few steps and prints the per-phase timings from its metrics.
+
+    python benchmarks/bench_grpo_step.py --shape 0.5b --steps 2 --prompts 64 --n 5   # one GPU
+    python benchmarks/bench_grpo_step.py --quick                                     # CPU (CI)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # the package first, then the test helpers
+
+# hidden, layers, heads, kv heads, intermediate (Qwen2.5 shapes; head size 64 or 128)
+SHAPES = {"tiny": (64, 2, 2, 1, 128), "0.5b": (896, 24, 14, 2, 4864), "3b": (2048, 36, 16, 2, 11008)}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shape", choices=sorted(SHAPES), default="0.5b")
+    p.add_argument("--tokenizer", help="a tokenizer dir (default: SmolLM2's, from the bundled GGUF)")
+    p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--prompts", type=int, default=64, help="prompts per step")
+    p.add_argument("--n", type=int, default=5, help="samples per prompt")
+    p.add_argument("--gpus", type=int, default=1)
+    p.add_argument("--max-turns", type=int, default=2)
+    p.add_argument("--response-length", type=int, default=256, help="tokens per turn")
+    p.add_argument("--workdir", default="outputs/bench_grpo")
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--out")
+    p.add_argument("overrides", nargs="*", help="extra trainer keys, e.g. actor_rollout_ref.rollout.enable_sleep=false")
+    a = p.parse_args(argv)
+    if a.quick:
+        a.shape, a.steps, a.prompts, a.n, a.gpus, a.response_length = "tiny", 1, 2, 2, 1, 16
+    work = Path(a.workdir)
+    work.mkdir(parents=True, exist_ok=True)
+
+    from conftest import ServerProcess
+    from search_r1.data import preprocess
+    from search_r1.data.bundled import bundled_paths
+    from search_r1.models import make_tiny_model
+    from search_r1.retrieval.build import build_bm25_index
+
+    hidden, layers, heads, kv, inter = SHAPES[a.shape]
+    model = make_tiny_model(work / f"model_{a.shape}", tokenizer_from=a.tokenizer, hidden=hidden, layers=layers,
+                            heads=heads, kv_heads=kv, intermediate=inter, max_position_embeddings=8192,
+                            init_std=0.3 if a.shape == "tiny" else 0.02, dtype="bfloat16" if a.shape != "tiny" else "float32")
+    for split in ("train", "test"):
+        if not (work / f"{split}.parquet").exists():
+            preprocess.main(["--bundled", "--split", split, "--out", str(work / f"{split}.parquet")])
+    corpus = bundled_paths()["corpus"]
+    index = build_bm25_index(str(corpus), str(work / "bm25"), progress=False)
+    server = ServerProcess(["--retriever_name", "bm25", "--index_path", str(index), "--corpus_path", str(corpus)],
+                           work / "retrieval.log")
+    gpu = not a.quick
+    run_dir = work / f"run_{a.shape}_{int(time.time())}"
+    mini = a.prompts  # one optimizer step per training step
+    args = [f"data.train_files={work / 'train.parquet'}", f"data.val_files={work / 'test.parquet'}",
+            f"data.train_batch_size={a.prompts}", "data.val_data_num=8", "data.max_prompt_length=512",
+            f"data.max_response_length={a.response_length}", "data.max_obs_length=256",
+            f"actor_rollout_ref.model.path={model}", f"actor_rollout_ref.rollout.n_agent={a.n}",
+            f"actor_rollout_ref.actor.ppo_mini_batch_size={mini}",
+            f"actor_rollout_ref.actor.ppo_micro_batch_size={max(a.gpus, min(16, a.prompts * a.n))}",
+            f"actor_rollout_ref.rollout.log_prob_micro_batch_size={max(a.gpus, min(32, a.prompts * a.n))}",
+            f"actor_rollout_ref.ref.log_prob_micro_batch_size={max(a.gpus, min(32, a.prompts * a.n))}",
+            "algorithm.adv_estimator=grpo", "algorithm.use_kl_in_reward=false",
+            "actor_rollout_ref.actor.use_kl_loss=true",
+            "actor_rollout_ref.rollout.agent_loop=search_r1.agent.loop:SearchAgentLoop",
+            f"actor_rollout_ref.rollout.gpu_memory_utilization={0.5 if gpu else 0.3}",
+            # random weights never answer; a reward that varies keeps the updates non-zero
+            "reward.function=rewards_for_tests:early_letter_reward",
+            f"max_turns={a.max_turns}", f"retriever.url={server.url}/retrieve",
+            f"trainer.n_gpus_per_node={a.gpus}", f"trainer.device={'cuda' if gpu else 'cpu'}",
+            f"trainer.total_training_steps={a.steps}", "trainer.val_before_train=false",
+            "trainer.save_freq=-1", "trainer.logger=[console,jsonl]", f"trainer.default_local_dir={run_dir}",
+            f"hydra.run.dir={run_dir / 'hydra'}", *a.overrides]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests" / "verl" / "trainer"),
+                                                        os.environ.get("PYTHONPATH", "")])}
+    t = time.perf_counter()
+    try:
+        r = subprocess.run([sys.executable, "-m", "verl.trainer.main_ppo", *args], cwd=ROOT, env=env)
+    finally:
+        server.stop()
+    if r.returncode:
+        raise SystemExit(f"training failed (exit {r.returncode}); see the log above")
+    rows = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    import torch
+    device = torch.cuda.get_device_name() if gpu and torch.cuda.is_available() else "cpu"
+    for row in rows:
+        phases = {k.removeprefix("timing_s/"): round(v, 3) for k, v in row.items() if k.startswith("timing_s/")}
+        out = {"device": device, "shape": a.shape, "gpus": a.gpus, "prompts": a.prompts, "n": a.n,
+               "step": row["step"], "phases_s": phases,
+               **{k: round(row[k], 4) for k in ("reward/mean", "grad_norm", "kl_loss", "response/length",
+                                                 "agent/searches", "throughput/generated_tokens_per_s",
+                                                 "throughput/train_tokens_per_s", "throughput/mfu_actor_update")
+                  if k in row}}
+        print(json.dumps(out), flush=True)
+        if a.out:
+            with open(a.out, "a") as f:
+                f.write(json.dumps(out) + "\n")
+    print(f"wall {time.perf_counter() - t:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
