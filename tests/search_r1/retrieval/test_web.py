@@ -279,6 +279,8 @@ def test_api_key_never_reaches_logs_or_cache(make, fake, tmp_path, caplog, engin
     # existing loggers; this test needs httpx's records to prove they are redacted.
     for name in ("httpx", "httpcore", "search_r1.retrieval.web"):
         logging.getLogger(name).disabled = False
+        logging.getLogger(name).propagate = True
+        caplog.set_level(logging.DEBUG, logger=name)  # some libraries raise httpx's level
     caplog.set_level(logging.DEBUG)
     r = make(engine, cache_dir=tmp_path, retries=1)
     r.search(["works", "fails"], topk=2)
