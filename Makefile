@@ -1,7 +1,7 @@
 PYTHON ?= python3
 PIP ?= $(PYTHON) -m pip
 
-.PHONY: install test test-fast
+.PHONY: install test test-fast demo
 
 # CPU install, as CI runs it:
 # - torch is pinned first so pip takes the CPU build instead of a multi-GB CUDA build;
@@ -20,3 +20,8 @@ test: install
 
 test-fast:
 	$(PYTHON) -m pytest -q -x tests
+
+# The whole pipeline on the bundled model and task (CPU or GPU): index, server, evaluation,
+# SFT warm start, GRPO, evaluation, report.
+demo: install
+	$(PYTHON) -m search_r1.demo --out outputs/demo

@@ -1,4 +1,4 @@
-"""`search-r1` command line: serve, index build, corpus convert, retrieve.
+"""`search-r1` command line: serve, index build, corpus convert, retrieve, eval, sft, report.
 
 Flags keep the original launcher's underscore spelling (`--index_path`); the dashed spelling
 (`--index-path`) is accepted as well.
@@ -125,10 +125,19 @@ def _retrieve(args):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    import importlib
+
     parser = argparse.ArgumentParser(prog="search-r1", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
     for add in (_serve_parser, _index_parser, _corpus_parser, _retrieve_parser):
         add(sub)
+    # Commands that live with their feature: evaluation, SFT warm start, run report.
+    for module in ("search_r1.evaluate", "search_r1.sft", "search_r1.report"):
+        try:
+            importlib.import_module(module).add_parser(sub)
+        except ModuleNotFoundError as e:
+            if e.name != module:  # a missing dependency is an error; a missing module is not
+                raise
     return parser
 
 

@@ -1,0 +1,242 @@
+"""Evaluation: metrics on hand-made predictions, the paper-table layout, and `search-r1 eval` end to
+end with the tiny model (HF engine) against a real BM25 server over the bundled corpus, in all three
+modes, from a training checkpoint too; retrieval-only answer recall."""
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import ServerProcess
+from search_r1 import evaluate
+from search_r1.evaluate import EvalConfig, paper_table, question_text, run_eval, score_predictions
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def rec(source, golds, prediction, searches=0, turns=1, tokens=10):
+    response = "" if prediction is None else f"<answer> {prediction} </answer>"
+    return {"data_source": source, "golds": golds, "response": response, "prediction": prediction,
+            "searches": searches, "turns": turns, "response_tokens": tokens}
+
+
+def test_score_predictions_two_sources_and_macro_average():
+    records = [
+        rec("nq", ["Paris"], "paris", searches=1, turns=2, tokens=20),      # EM after normalising
+        rec("nq", ["Barack Obama"], "President Barack Obama", searches=3, turns=4, tokens=40),  # cover only
+        rec("hotpotqa", ["São Paulo"], "Sao Paulo"),                        # accents dropped
+        rec("hotpotqa", ["1990"], None),                                     # no answer
+        rec("hotpotqa", ["東京"], "東京"),                                     # CJK: one token
+    ]
+    scores = score_predictions(records)
+    nq, hp = scores["per_source"]["nq"], scores["per_source"]["hotpotqa"]
+    assert scores["n"] == 5 and nq["n"] == 2 and hp["n"] == 3
+    assert nq["em"] == 0.5 and nq["cover_em"] == 1.0
+    assert nq["f1"] == pytest.approx((1 + 2 * (2 / 3) * 1 / (2 / 3 + 1)) / 2)  # 2/3 precision, full recall
+    assert nq["searches"] == 2 and nq["turns"] == 3 and nq["response_tokens"] == 30
+    assert hp["em"] == pytest.approx(2 / 3) and hp["answer_rate"] == pytest.approx(2 / 3)
+    assert hp["f1"] == pytest.approx(2 / 3) and hp["cover_em"] == pytest.approx(2 / 3)
+    # macro: the mean of the sources' means, not of the questions
+    assert scores["macro"]["em"] == pytest.approx((0.5 + 2 / 3) / 2)
+    assert scores["macro"]["answer_rate"] == pytest.approx((1 + 2 / 3) / 2)
+
+
+def test_score_predictions_edge_cases():
+    scores = score_predictions([rec("x", ["yes"], ""), rec("x", ["1"], "1990"), rec("x", ["The"], "the")])
+    x = scores["per_source"]["x"]
+    # an empty answer is an answer (wrong); "1" is not inside "1990"; a gold that normalises to
+    # nothing matches an equally empty prediction but is never found inside one
+    assert x["answer_rate"] == 1.0 and x["cover_em"] == 0.0
+    assert x["em"] == pytest.approx(1 / 3)
+    with pytest.raises(ValueError, match="no predictions"):
+        score_predictions([])
+
+
+def test_paper_table_layout():
+    rows = [("tiny (search)", "EM", {"geo_qa": 0.5, "hotpotqa": 0.25, "nq": 0.125}),
+            ("tiny (search)", "F1", {"nq": 0.5, "my_set": 1.0})]
+    lines = paper_table(rows).splitlines()
+    header = [c.strip() for c in lines[0].strip("|").split("|")]
+    assert header == ["Method", "Metric", "NQ", "TriviaQA", "PopQA", "HotpotQA", "2wiki", "Musique",
+                      "Bamboogle", "geo_qa", "my_set", "Avg."]
+    assert lines[1].count("---") == len(header)
+    em = [c.strip() for c in lines[2].strip("|").split("|")]
+    assert em == ["tiny (search)", "EM", "0.125", "–", "–", "0.250", "–", "–", "–", "0.500", "–",
+                  f"{(0.5 + 0.25 + 0.125) / 3:.3f}"]
+    f1 = [c.strip() for c in lines[3].strip("|").split("|")]
+    assert f1[2] == "0.500" and f1[10] == "1.000" and f1[-1] == "0.750"
+
+
+def test_question_text_from_both_templates():
+    from search_r1.data.templates import make_prompt
+    for template in ("instruct", "base"):
+        assert question_text(make_prompt("where is Lyon", template)) == "where is Lyon?"
+    with pytest.raises(ValueError, match="Question: "):
+        question_text([{"role": "user", "content": "no question here"}])
+
+
+# ---------------------------------------------------------------------------------------------
+# End to end against a BM25 server over the bundled corpus
+
+
+@pytest.fixture(scope="module")
+def test_parquet(tmp_path_factory):
+    from search_r1.data import preprocess
+    return str(preprocess.main(["--bundled", "--split", "test", "--out",
+                                str(tmp_path_factory.mktemp("data") / "test.parquet")]))
+
+
+@pytest.fixture(scope="module")
+def bm25_server(tmp_path_factory):
+    from search_r1.data.bundled import bundled_paths
+    from search_r1.retrieval.build import build_bm25_index
+    corpus = bundled_paths()["corpus"]
+    index = build_bm25_index(str(corpus), str(tmp_path_factory.mktemp("bm25")), progress=False)
+    server = ServerProcess(["--retriever_name", "bm25", "--index_path", str(index),
+                            "--corpus_path", str(corpus)], tmp_path_factory.mktemp("logs") / "bm25.log")
+    yield server
+    server.stop()
+
+
+def test_load_questions_limit_per_source(test_parquet):
+    from search_r1.data.bundled import bundled_paths, read_jsonl
+    questions = evaluate.load_questions([test_parquet], limit=4)
+    raw = read_jsonl(bundled_paths()["test"])[:4]
+    assert [q.question.rstrip("?") for q in questions] == [r["question"].rstrip("?") for r in raw]
+    assert [q.golds for q in questions] == [r["golden_answers"] for r in raw]
+    assert len(evaluate.load_questions([test_parquet, test_parquet], limit=6)) == 6  # per source
+
+
+@pytest.mark.parametrize("mode", ["search", "no-search", "rag"])
+def test_eval_tiny_model_all_modes(mode, tiny_model_dir, test_parquet, bm25_server, tmp_path):
+    cfg = EvalConfig(model=tiny_model_dir, data=[test_parquet], out=str(tmp_path), mode=mode, engine="hf",
+                     retriever_url=bm25_server.url + "/retrieve", limit=4, max_turns=1,
+                     max_response_length=16, max_obs_length=64, label="tiny")
+    scores = run_eval(cfg)
+    geo = scores["per_source"]["geo_qa"]
+    assert scores["n"] == 4 and geo["n"] == 4 and set(evaluate.METRICS) <= set(geo)
+    assert 1 <= geo["turns"] <= 2 and geo["response_tokens"] > 0
+
+    saved = json.loads((tmp_path / f"eval_{mode}.json").read_text())
+    assert saved["mode"] == mode and saved["model"] == "tiny" and saved["macro"] == scores["macro"]
+    preds = [json.loads(l) for l in (tmp_path / f"predictions_{mode}.jsonl").read_text().splitlines()]
+    assert len(preds) == 4
+    for p in preds:
+        assert {"question", "golds", "prediction", "response", "searches", "finish", "em"} <= set(p)
+        assert p["question"].endswith("?") and "Question" not in p["question"]
+    if mode == "rag":  # the passages of the question went into the prompt
+        assert all(len(p["retrieved"]) == 3 for p in preds)
+    if mode != "search":
+        assert geo["searches"] == 0 and geo["turns"] == 1
+    table = (tmp_path / f"eval_{mode}.md").read_text()
+    assert f"| tiny ({mode}) | EM |" in table and f"| tiny ({mode}) | F1 |" in table and "geo_qa" in table
+
+
+class ScriptedEngine:
+    """Searches once for the question, then answers with its gold: checks the bookkeeping."""
+
+    def __init__(self, tokenizer, golds: dict[str, str]):
+        self.tokenizer, self.golds = tokenizer, golds
+
+    def generate(self, prompts, sampling, stop):
+        from verl.workers.rollout.engines import Generation
+        out = []
+        for ids in prompts:
+            text = self.tokenizer.decode(ids)
+            question = next(q for q in self.golds if q in text)
+            if "Doc 1(Title:" in text or "</search>" not in stop:  # passages read, or no searching
+                reply, tag = f"<think>found</think>\n<answer> {self.golds[question]} </answer>", "</answer>"
+            else:
+                reply, tag = f"<think>look up</think>\n<search> {question} </search>", "</search>"
+            out.append(Generation(self.tokenizer.encode(reply, add_special_tokens=False), "stop", tag))
+        return out
+
+
+@pytest.mark.parametrize("mode", ["search", "rag"])
+def test_eval_scripted_answers_count_searches(mode, tiny_model_dir, test_parquet, bm25_server, tmp_path):
+    from transformers import AutoTokenizer
+    questions = evaluate.load_questions([test_parquet], limit=3)
+    engine = ScriptedEngine(AutoTokenizer.from_pretrained(tiny_model_dir),
+                            {q.question: q.golds[0] for q in questions})
+    scores = run_eval(EvalConfig(model=tiny_model_dir, data=[test_parquet], out=str(tmp_path), mode=mode,
+                                 retriever_url=bm25_server.url + "/retrieve", limit=3), engine=engine)
+    geo = scores["per_source"]["geo_qa"]
+    assert geo["em"] == 1.0 and geo["f1"] == 1.0 and geo["answer_rate"] == 1.0
+    assert (geo["searches"], geo["turns"]) == ((1, 2) if mode == "search" else (0, 1))
+    preds = [json.loads(l) for l in (tmp_path / f"predictions_{mode}.jsonl").read_text().splitlines()]
+    assert all(p["finish"] == "answer" for p in preds)
+    if mode == "search":
+        assert all("<information>" in p["response"] and "Doc 1(Title:" in p["response"] for p in preds)
+
+
+def test_eval_retrieval_recall_cli(test_parquet, bm25_server, tmp_path, capsys):
+    """With the question as the query, BM25 finds the passage of a one-hop question (the city's)
+    but rarely the second passage of a two-hop one (the country's): half the bundled set is two-hop."""
+    from search_r1.data import preprocess
+    from search_r1.data.bundled import bundled_paths, read_jsonl
+    one_hop = tmp_path / "one_hop.jsonl"
+    one_hop.write_text("".join(json.dumps(r) + "\n" for r in read_jsonl(bundled_paths()["test"]) if r["hops"] == 1))
+    both = preprocess.main(["--bundled", "--local", f"geo_1hop={one_hop}", "--split", "test",
+                            "--out", str(tmp_path / "both.parquet")])
+    parser = argparse.ArgumentParser()
+    evaluate.add_parser(parser.add_subparsers(dest="cmd"))
+    args = parser.parse_args(["eval-retrieval", "--data", str(both), "--retriever-url",
+                              bm25_server.url + "/retrieve", "--topk", "3,1", "--out", str(tmp_path),
+                              "--label", "BM25"])
+    args.func(args)
+    result = json.loads((tmp_path / "eval_retrieval.json").read_text())
+    geo, geo_1hop = result["per_source"]["geo_qa"], result["per_source"]["geo_1hop"]
+    assert geo["n"] == 300 and geo_1hop["n"] == 150 and result["topk"] == [1, 3]
+    assert geo_1hop["recall@3"] > 0.9 and geo_1hop["recall@1"] <= geo_1hop["recall@3"]
+    assert 0.5 <= geo["recall@3"] < 0.9
+    assert result["macro"]["recall@3"] == pytest.approx((geo["recall@3"] + geo_1hop["recall@3"]) / 2)
+    table = (tmp_path / "eval_retrieval.md").read_text()
+    assert "| BM25 | recall@3 |" in table and "| Bamboogle | geo_1hop | geo_qa | Avg. |" in table  # order of appearance
+    assert "| BM25 | recall@1 |" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="comma-separated"):
+        args.topk = "1,three"
+        args.func(args)
+
+
+def test_eval_from_training_checkpoint(tiny_model_dir, test_parquet, tmp_path):
+    """A run directory is exported once (config source from its config.yaml), then evaluated."""
+    from transformers import AutoModelForCausalLM
+    from verl.trainer.checkpoint import save_checkpoint
+    run = tmp_path / "run"
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    save_checkpoint(run / "checkpoints", 3, {"actor": (model, None, None)}, {"step": 3})
+    (run / "config.yaml").write_text(f"actor_rollout_ref:\n  model:\n    path: {tiny_model_dir}\n")
+
+    out = tmp_path / "eval"
+    path, label = evaluate.resolve_model(str(run), None, out)
+    assert path == str(out / "model") and label == "run/global_step_3"
+    exported = AutoModelForCausalLM.from_pretrained(path)
+    assert all((a == b).all() for a, b in zip(exported.state_dict().values(), model.state_dict().values()))
+    mtime = os.path.getmtime(out / "model" / "config.json")
+    # a global_step dir gives the same export, reused; a plain model dir is taken as it is
+    assert evaluate.resolve_model(str(run / "checkpoints" / "global_step_3"), None, out)[0] == path
+    assert os.path.getmtime(out / "model" / "config.json") == mtime
+    assert evaluate.resolve_model(tiny_model_dir, None, out) == (tiny_model_dir, Path(tiny_model_dir).name)
+    (run / "config.yaml").unlink()
+    with pytest.raises(ValueError, match="--base-model"):
+        evaluate.resolve_model(str(run), None, tmp_path / "other")
+
+    scores = run_eval(EvalConfig(model=str(run / "checkpoints"), data=[test_parquet], out=str(out),
+                                 mode="no-search", engine="hf", limit=2, max_response_length=8,
+                                 base_model=tiny_model_dir))
+    assert scores["n"] == 2
+
+
+def test_evaluate_sh(tiny_model_dir, test_parquet, tmp_path):
+    env = {**os.environ, "MODES": "no-search", "OUT": str(tmp_path / "out")}
+    r = subprocess.run(["bash", str(ROOT / "scripts" / "evaluate.sh"), tiny_model_dir, test_parquet,
+                        "--engine", "hf", "--limit", "2", "--max-response-length", "8"],
+                       capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "| NQ | TriviaQA |" in r.stdout
+    assert (tmp_path / "out" / "eval_no-search.json").is_file()
+    r = subprocess.run(["bash", str(ROOT / "scripts" / "evaluate.sh")], capture_output=True, text=True)
+    assert r.returncode == 2 and "usage" in r.stderr
