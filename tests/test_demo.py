@@ -26,6 +26,6 @@ def test_demo_small(tmp_path):
     assert [s["stage"] for s in stages] == ["before", "after SFT", "after GRPO"]
     assert (out / "run" / "report.html").stat().st_size > 10_000
     assert (out / "run" / "hf_actor" / "config.json").exists()
-    # the server was stopped: nothing listens on its port any more
+    # the retrieval server ran without crashing (the demo stops it on exit)
     log = (out / "retrieval_server.log").read_text()
     assert "Traceback" not in log
