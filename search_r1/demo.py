@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 # Sizes: the full demo aims at < 20 minutes on 2 CPU cores; --small is the CI run of the same path.
-FULL = dict(eval_questions=40, sft_questions=240, sft_epochs=2, grpo_steps=4, grpo_prompts=4, grpo_n=4)
+FULL = dict(eval_questions=30, sft_questions=64, sft_epochs=2, grpo_steps=3, grpo_prompts=4, grpo_n=4)
 SMALL = dict(eval_questions=2, sft_questions=8, sft_epochs=1, grpo_steps=1, grpo_prompts=2, grpo_n=2)
 
 
