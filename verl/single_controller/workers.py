@@ -120,7 +120,6 @@ class PolicyWorker:
     def generate(self, prompts: list[list[int]], group_ids: list[int], temperature: float,
                  top_p: float, max_tokens: int) -> RolloutBatch:
         from verl.workers.rollout.engines import SamplingConfig
-        t0 = time.perf_counter()
         self.wake_rollout()
         trajectories = self.agent.run(prompts, SamplingConfig(temperature, top_p, max_tokens))
         self.sleep_rollout()
@@ -130,7 +129,6 @@ class PolicyWorker:
         batch.info = {"stats": [t.stats() for t in trajectories],
                       "response_ids": [list(t.response_ids) for t in trajectories],
                       "loss_mask": [list(t.loss_mask) for t in trajectories]}
-        batch.info["rollout_s"] = [time.perf_counter() - t0] * len(trajectories)
         return batch
 
     def sync_weights(self) -> float:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ServerProcess, vllm_skip_reason
+from conftest import vllm_skip_reason
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -27,15 +27,8 @@ def bundled_data(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def bm25_server(tmp_path_factory):
-    from search_r1.data.bundled import bundled_paths
-    from search_r1.retrieval.build import build_bm25_index
-    corpus = bundled_paths()["corpus"]
-    index = build_bm25_index(str(corpus), str(tmp_path_factory.mktemp("bm25")), progress=False)
-    server = ServerProcess(["--retriever_name", "bm25", "--index_path", str(index),
-                            "--corpus_path", str(corpus)], tmp_path_factory.mktemp("logs") / "bm25.log")
-    yield server
-    server.stop()
+def bm25_server(bundled_bm25_server):
+    return bundled_bm25_server
 
 
 def train(args, out_dir, timeout=900):
