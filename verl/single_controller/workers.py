@@ -94,14 +94,17 @@ class PolicyWorker:
             param_offload=a.fsdp_config.param_offload, optimizer_offload=a.fsdp_config.optimizer_offload,
             mixed_precision=a.fsdp_config.mixed_precision and self.device == "cuda",
             micro_batch_size=self.sizes.micro_batch_trajectories_per_worker,
-            max_tokens_per_pack=a.max_tokens_per_pack, temperature=rollout.temperature)
+            max_tokens_per_pack=a.max_tokens_per_pack, temperature=rollout.temperature,
+            attn_implementation=arr.model.attn_implementation, use_torch_compile=arr.model.use_torch_compile)
         self.reference = None
         if a.use_kl_loss or cfg.algorithm.use_kl_in_reward:
             self.reference = Reference(path, param_offload=arr.ref.fsdp_config.param_offload,
                                        mixed_precision=a.fsdp_config.mixed_precision and self.device == "cuda",
                                        micro_batch_size=arr.ref.log_prob_micro_batch_size // self.sizes.world,
                                        max_tokens_per_pack=a.max_tokens_per_pack,
-                                       temperature=rollout.temperature)
+                                       temperature=rollout.temperature,
+                                       attn_implementation=arr.model.attn_implementation,
+                                       use_torch_compile=arr.model.use_torch_compile)
         self._asleep = False
         self.sleep_rollout()
 

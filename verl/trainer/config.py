@@ -36,6 +36,8 @@ class ModelConfig:
     path: str = MISSING
     enable_gradient_checkpointing: bool = True
     use_remove_padding: bool = True
+    attn_implementation: str | None = None  # None: flash-attn-2 > torch varlen (CUDA, bf16) > sdpa
+    use_torch_compile: bool = False         # torch.compile each decoder layer (actor and reference)
 
 
 @dataclass
@@ -154,6 +156,7 @@ class RetrieverConfig:
 class RunConfig:
     total_epochs: int = 1
     total_training_steps: int | None = None
+    time_limit_minutes: float | None = None   # wall clock from the start of fit; None: no limit
     project_name: str = "search_r1"
     experiment_name: str = "run"
     logger: list = field(default_factory=lambda: ["console", "jsonl"])

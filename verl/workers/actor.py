@@ -38,20 +38,23 @@ import torch.distributed as dist
 from verl.protocol import RolloutBatch
 from verl.trainer.core_algos import LossAgg, agg_loss, kl_penalty, policy_loss
 from verl.workers.fsdp import (all_reduce_scalar, build_causal_lm, build_lr_scheduler, build_optimizer,
-                               check_batch_sizes, clip_grad_norm_, compute_device, forward_packed, loss_units,
+                               check_batch_sizes, clip_grad_norm_, compile_layers, compute_device, forward_packed, loss_units,
                                mixed_precision_context, move_optimizer_state, pick_attn_implementation, shard,
                                shuffled_mini_batches, world_size)
 
 logger = logging.getLogger(__name__)
 
 
-def _load_policy_model(model_path, gradient_checkpointing, param_offload, mixed_precision, device):
+def _load_policy_model(model_path, gradient_checkpointing, param_offload, mixed_precision, device,
+                       attn_implementation=None, use_torch_compile=False):
     model = build_causal_lm(model_path, torch.float32, gradient_checkpointing,
-                            attn_implementation=pick_attn_implementation(mixed_precision))
+                            attn_implementation=attn_implementation or pick_attn_implementation(mixed_precision))
     if dist.is_initialized():
         shard(model, cpu_offload=param_offload, mixed_precision=mixed_precision)
     else:
         model.to(device)
+    if use_torch_compile:
+        compile_layers(model)
     return model
 
 
@@ -82,10 +85,13 @@ class Actor:
                  lr_schedule: str = "constant", min_lr_ratio: float = 0.0, grad_clip: float | None = 1.0,
                  gradient_checkpointing: bool = True, param_offload: bool = False, optimizer_offload: bool = False,
                  mixed_precision: bool = True, micro_batch_size: int = 4, max_tokens_per_pack: int = 16384,
-                 temperature: float = 1.0, seed: int = 0):
+                 temperature: float = 1.0, seed: int = 0, attn_implementation: str | None = None,
+                 use_torch_compile: bool = False):
         self.device = compute_device()
         self.sharded = dist.is_initialized()
-        self.model = _load_policy_model(model_path, gradient_checkpointing, param_offload, mixed_precision, self.device)
+        # attn_implementation: None picks the fastest available (see fsdp.pick_attn_implementation)
+        self.model = _load_policy_model(model_path, gradient_checkpointing, param_offload, mixed_precision, self.device,
+                                        attn_implementation, use_torch_compile)
         self.optimizer = build_optimizer(self.model, lr, weight_decay, betas)
         self.scheduler = build_lr_scheduler(self.optimizer, warmup_steps, total_steps, lr_schedule, min_lr_ratio)
         self.grad_clip = grad_clip
@@ -190,10 +196,12 @@ class Reference:
     the CPU between calls (it runs once per step)."""
 
     def __init__(self, model_path: str, *, param_offload: bool = False, mixed_precision: bool = True,
-                 micro_batch_size: int = 4, max_tokens_per_pack: int = 16384, temperature: float = 1.0):
+                 micro_batch_size: int = 4, max_tokens_per_pack: int = 16384, temperature: float = 1.0,
+                 attn_implementation: str | None = None, use_torch_compile: bool = False):
         self.device = compute_device()
         self.sharded = dist.is_initialized()
-        self.model = _load_policy_model(model_path, False, param_offload, mixed_precision, self.device)
+        self.model = _load_policy_model(model_path, False, param_offload, mixed_precision, self.device,
+                                        attn_implementation, use_torch_compile)
         self.model.requires_grad_(False)
         self.micro_batch_size = micro_batch_size
         self.max_tokens_per_pack = max_tokens_per_pack

@@ -19,6 +19,10 @@ the real tokens of several rows into ONE sequence of length L (batch dimension 1
 restarting at 0 for every row, and keeps rows from attending to each other:
 - with flash-attention-2 (`attn_implementation="flash_attention_2"`), transformers reads the row
   boundaries from the position ids (varlen kernel, no mask): one pack per call;
+- with our `varlen` attention (the default on CUDA in bf16 when the flash-attn package is absent),
+  we pass the row boundaries (`cu_seq_lens_q`) and torch's own FlashAttention varlen kernel
+  (`torch.nn.attention.varlen`) runs without a mask: one pack per call, no O(L²) memory. On the CPU
+  the same function runs SDPA row by row (exact, for tests);
 - otherwise (SDPA, eager) we pass an explicit block-diagonal causal mask of shape [1, 1, L, L]. It
   costs O(L²) memory (bool for SDPA: 64 MiB at L = 8192; SDPA's memory-efficient kernel turns it into
   an L×L bias of the compute dtype), so rows are grouped into packs of at most `max_tokens_per_pack`
@@ -40,6 +44,8 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
+import inspect
 import logging
 import math
 import os
@@ -117,14 +123,85 @@ def all_reduce_scalar(value: float, op=dist.ReduceOp.SUM) -> float:
 # Models
 
 
+VARLEN_ATTN = "varlen"  # the name under which `varlen_attention` is registered with transformers
+_VARLEN_KERNEL = None  # set by register_varlen_attention
+
+
 def pick_attn_implementation(mixed_precision: bool) -> str:
-    """flash-attention-2 where it is installed and the compute dtype is bf16 (it has no fp32
-    kernels), SDPA with an explicit packing mask otherwise."""
+    """On CUDA in bf16: flash-attention-2 where the package is installed, else torch's own
+    FlashAttention varlen kernel (`varlen`). Otherwise SDPA with an explicit packing mask (neither
+    flash kernel has fp32 or CPU code)."""
     from transformers.utils import is_flash_attn_2_available
 
-    if torch.cuda.is_available() and mixed_precision and is_flash_attn_2_available():
-        return "flash_attention_2"
+    if torch.cuda.is_available() and mixed_precision:
+        if is_flash_attn_2_available():
+            return "flash_attention_2"
+        if _torch_varlen() is not None:
+            register_varlen_attention()
+            return VARLEN_ATTN
     return "sdpa"
+
+
+@functools.cache
+def _torch_varlen():
+    """(varlen_attn, its keyword arguments for causal attention, whether it takes enable_gqa), or
+    None for a torch without it (< 2.10). torch 2.10 took `is_causal`; later versions `window_size`."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    params = inspect.signature(varlen_attn).parameters
+    causal = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
+    return varlen_attn, causal, "enable_gqa" in params
+
+
+def register_varlen_attention() -> None:
+    """Make `attn_implementation="varlen"` known to transformers (idempotent). Models using it take
+    no mask: transformers skips mask creation for implementations it has no mask function for."""
+    from transformers import AttentionInterface
+
+    global _VARLEN_KERNEL
+    _VARLEN_KERNEL = _torch_varlen()  # looked up once, outside code that torch.compile traces
+    AttentionInterface.register(VARLEN_ATTN, varlen_attention)
+
+
+
+def varlen_attention(module, query_BHTD, key_BHTD, value_BHTD, attention_mask, scaling=None, dropout=0.0,
+                     cu_seq_lens_q=None, max_length_q=None, **_):
+    """A transformers attention function for ONE packed sequence (batch 1) made of rows whose
+    boundaries are `cu_seq_lens_q` ([0, len0, len0+len1, ...], int32): causal inside each row, nothing
+    across rows. Returns ([1, T, H, D], None) as transformers expects. Dropout is off in our models."""
+    if cu_seq_lens_q is None or query_BHTD.shape[0] != 1:
+        raise ValueError("varlen attention needs one packed row (batch 1) and cu_seq_lens_q: call the model "
+                         "through verl.workers.fsdp.forward_packed, or use attn_implementation='sdpa'")
+    # [1, H, T, D] -> [T, H, D], the layout of the varlen kernels
+    q_THD, k_TKD, v_TKD = (x[0].transpose(0, 1) for x in (query_BHTD, key_BHTD, value_BHTD))
+    if q_THD.is_cuda:
+        varlen_attn, causal, takes_gqa = _VARLEN_KERNEL
+        kwargs = dict(causal)
+        # Under autocast the rotary embedding (fp32 cos/sin) hands us fp32 queries and keys while
+        # the value projection is bf16; the flash kernel takes 16-bit inputs only.
+        dtype = value_BHTD.dtype
+        if dtype not in (torch.float16, torch.bfloat16):
+            raise ValueError("varlen attention computes in bf16/fp16: use mixed precision (FSDP's policy or "
+                             "autocast), or attn_implementation='sdpa' for fp32")
+        q_THD, k_TKD = q_THD.to(dtype), k_TKD.to(dtype)
+        if k_TKD.shape[1] != q_THD.shape[1]:
+            if takes_gqa:
+                kwargs["enable_gqa"] = True
+            else:  # query head h reads key/value head h // group
+                group = q_THD.shape[1] // k_TKD.shape[1]
+                k_TKD, v_TKD = k_TKD.repeat_interleave(group, 1), v_TKD.repeat_interleave(group, 1)
+        out_THD = varlen_attn(q_THD.contiguous(), k_TKD.contiguous(), v_TKD.contiguous(), cu_seq_lens_q,
+                              cu_seq_lens_q, max_length_q, max_length_q, scale=scaling, **kwargs)
+    else:  # no flash kernels on the CPU: SDPA per row gives the same result
+        bounds = cu_seq_lens_q.tolist()
+        out_THD = torch.cat([
+            torch.nn.functional.scaled_dot_product_attention(
+                q_THD[s:e].transpose(0, 1), k_TKD[s:e].transpose(0, 1), v_TKD[s:e].transpose(0, 1),
+                is_causal=True, scale=scaling, enable_gqa=True).transpose(0, 1)
+            for s, e in zip(bounds[:-1], bounds[1:])])
+    return out_THD[None], None
 
 
 def _disable_dropout(model: nn.Module) -> None:
@@ -151,6 +228,8 @@ def build_causal_lm(path: str, dtype: torch.dtype = torch.float32, gradient_chec
     master weights; FSDP's mixed precision casts to bf16 for compute)."""
     from transformers import AutoModelForCausalLM
 
+    if attn_implementation == VARLEN_ATTN:
+        register_varlen_attention()
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
     _disable_dropout(model)
     if gradient_checkpointing:
@@ -178,9 +257,10 @@ class ValueModel(nn.Module):
         nn.init.zeros_(self.value_head.weight)
         nn.init.zeros_(self.value_head.bias)
 
-    def forward(self, input_ids, attention_mask=None, position_ids=None, logits_to_keep=0, use_cache=False):
+    def forward(self, input_ids, attention_mask=None, position_ids=None, logits_to_keep=0, use_cache=False,
+                **attention_kwargs):
         hidden_BTH = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                                use_cache=use_cache).last_hidden_state
+                                use_cache=use_cache, **attention_kwargs).last_hidden_state
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
         return self.value_head(hidden_BTH[:, keep]).squeeze(-1)  # [B, kept]
 
@@ -193,6 +273,8 @@ def build_value_model(path: str, dtype: torch.dtype = torch.float32, gradient_ch
     """`ValueModel` with the backbone of the checkpoint at `path` (a causal LM checkpoint is fine)."""
     from transformers import AutoModel
 
+    if attn_implementation == VARLEN_ATTN:
+        register_varlen_attention()
     backbone = AutoModel.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
     model = ValueModel(backbone)
     _disable_dropout(model)
@@ -211,6 +293,16 @@ def _decoder_layers(model: nn.Module) -> list[nn.Module]:
             f"no decoder layers found in {type(model).__name__} (looked for `model.model.layers` and modules "
             f"whose class name ends with 'DecoderLayer'): extend verl.workers.fsdp._decoder_layers for it")
     return layers
+
+
+def compile_layers(model: nn.Module) -> nn.Module:
+    """torch.compile each decoder layer's forward (not the module call: FSDP2's hooks and
+    activation checkpointing stay outside the compiled code). Fuses the elementwise work between
+    the matmuls (norms, rotary embedding, SiLU·gate, residual adds), which in eager mode costs about
+    as much memory traffic as the matmuls cost compute. Dynamic shapes: every pack has its own length."""
+    for layer in _decoder_layers(model):
+        layer.forward = torch.compile(layer.forward, dynamic=True)
+    return model
 
 
 def shard(model: nn.Module, cpu_offload: bool = False, mixed_precision: bool = True) -> nn.Module:
@@ -313,7 +405,8 @@ def _packed_outputs(model, input_ids_BT, attention_mask_BT, prompt_width, max_to
     values) at the N positions that predict the pack's response tokens, in row-major order."""
     real_BT, target_BR = _response_positions(attention_mask_BT, prompt_width)
     P = prompt_width
-    flash = getattr(model.config, "_attn_implementation", "sdpa") == "flash_attention_2"
+    attn = getattr(model.config, "_attn_implementation", "sdpa")
+    flash = attn in ("flash_attention_2", VARLEN_ATTN)  # no mask: one pack, any length
     lengths = real_BT.sum(1).tolist()
     packs = plan_packs(lengths, None if flash else max_tokens_per_pack)
     n_packs = _agree_on_pack_count(len(packs))
@@ -328,19 +421,25 @@ def _packed_outputs(model, input_ids_BT, attention_mask_BT, prompt_width, max_to
         flat_bT = real_bT.flatten().long().cumsum(0).view_as(real_bT) - 1
         target_bR = target_BR[rows.start:rows.stop]
         src_N = flat_bT[:, P - 1:-1][target_bR]  # the position whose output predicts response token j
-        if flash:
+        kwargs = {}
+        if attn == VARLEN_ATTN:
+            mask = None
+            lengths_b = real_bT.sum(1)
+            kwargs = {"cu_seq_lens_q": torch.nn.functional.pad(lengths_b.cumsum(0), (1, 0)).int(),
+                      "max_length_q": max(lengths[rows.start:rows.stop])}
+        elif flash:
             mask = None  # transformers derives the row boundaries (cu_seqlens) from position_ids
         else:
             row_L = torch.arange(len(rows), device=real_bT.device)[:, None].expand_as(real_bT)[real_bT]
             L = ids_L.shape[0]
             causal_LL = torch.ones(L, L, dtype=torch.bool, device=ids_L.device).tril_()
             mask = (causal_LL & (row_L[:, None] == row_L[None, :]))[None, None]
-            if getattr(model.config, "_attn_implementation", "sdpa") == "eager":
+            if attn == "eager":
                 # eager attention adds the mask to the scores
                 dtype = next(model.parameters()).dtype
                 mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, torch.finfo(dtype).min)
         out = model(input_ids=ids_L[None], attention_mask=mask, position_ids=pos_L[None], logits_to_keep=src_N,
-                    use_cache=False)
+                    use_cache=False, **kwargs)
         out = out.logits if hasattr(out, "logits") else out
         yield rows, target_bR, out[0]
 
@@ -458,7 +557,10 @@ def clip_grad_norm_(parameters, max_norm: float | None) -> float:
 def build_optimizer(model: nn.Module, lr: float, weight_decay: float, betas: tuple[float, float]):
     # Weight decay on all parameters (norm weights and biases included): simple, and what the
     # original Search-R1 (verl) runs did.
-    return torch.optim.AdamW(model.parameters(), lr=lr, betas=tuple(betas), weight_decay=weight_decay)
+    params = list(model.parameters())
+    # The fused CUDA kernel: one launch per step instead of a few per parameter tensor.
+    fused = bool(params) and all(p.device.type == "cuda" for p in params)
+    return torch.optim.AdamW(params, lr=lr, betas=tuple(betas), weight_decay=weight_decay, fused=fused or None)
 
 
 @dataclass

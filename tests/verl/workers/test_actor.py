@@ -136,6 +136,44 @@ def test_packed_equals_padded(tiny_model_dir, batch):
                                    values_padded(value_model, *args), atol=1e-4, rtol=0)
 
 
+def test_varlen_attention_equals_padded(tiny_model_dir, batch):
+    # The CPU branch of the mask-free varlen attention (SDPA row by row): same log-probs, entropies,
+    # gradients and values as the padded forward, with every row of the batch in ONE pack.
+    from verl.workers.fsdp import VARLEN_ATTN
+
+    model = build_causal_lm(tiny_model_dir, attn_implementation=VARLEN_ATTN)
+    reference = build_causal_lm(tiny_model_dir)
+    assert model.config._attn_implementation == VARLEN_ATTN
+    args = (batch.input_ids_BT, batch.attention_mask_BT, batch.prompt_width)
+    weights_BR = torch.randn(batch.response_mask_BR.shape, generator=torch.Generator().manual_seed(2))
+    grads = []
+    for m, fn, kw in ((model, forward_packed, dict(max_tokens_per_pack=40)), (reference, forward_padded, {})):
+        logprobs_BR, entropy_BR = fn(m, *args, temperature=0.7, compute_entropy=True, **kw)
+        ((logprobs_BR + entropy_BR) * weights_BR * batch.response_mask_BR).sum().backward()
+        grads.append(({n: p.grad for n, p in m.named_parameters()}, logprobs_BR.detach(), entropy_BR.detach()))
+    (g_var, lp_var, ent_var), (g_pad, lp_pad, ent_pad) = grads
+    torch.testing.assert_close(lp_var, lp_pad, atol=1e-4, rtol=0)
+    torch.testing.assert_close(ent_var, ent_pad, atol=1e-4, rtol=0)
+    for name, g in g_var.items():
+        assert (g - g_pad[name]).abs().max() <= 1e-5 * g.abs().max(), name
+
+    value_model = build_value_model(tiny_model_dir, attn_implementation=VARLEN_ATTN)
+    torch.nn.init.normal_(value_model.value_head.weight, std=0.1)
+    plain = build_value_model(tiny_model_dir)
+    plain.load_state_dict(value_model.state_dict())
+    with torch.no_grad():
+        torch.testing.assert_close(values_packed(value_model, *args, max_tokens_per_pack=40),
+                                   values_padded(plain, *args), atol=1e-4, rtol=0)
+
+
+def test_varlen_attention_refuses_a_call_without_row_boundaries(tiny_model_dir):
+    from verl.workers.fsdp import VARLEN_ATTN
+
+    model = build_causal_lm(tiny_model_dir, attn_implementation=VARLEN_ATTN)
+    with pytest.raises(ValueError, match="cu_seq_lens_q"):
+        model(input_ids=torch.tensor([[5, 6, 7]]))
+
+
 def test_compute_logprobs_matches_plain_hf_forward(tiny_model_dir, batch):
     actor = Actor(tiny_model_dir, **ACTOR_KW)
     logprobs_BR, entropy_BR = actor.compute_logprobs_and_entropy(batch)
