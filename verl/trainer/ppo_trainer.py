@@ -3,7 +3,8 @@
 One step, as data: prompts → rollout on every worker (agent loop + colocated engine) → rewards
 (decoded responses, reward function named in the config) → old/ref log-probs, values →
 advantages (pure functions in core_algos) → critic and actor updates → new weights pushed into
-the engines. Validation, metrics and checkpoints around it.
+the engines. Validation, metrics and checkpoints around it, and an optional wall-clock limit
+(`trainer.time_limit_minutes`) that makes the step running when it is spent the last one.
 """
 from __future__ import annotations
 
@@ -234,6 +235,9 @@ class PPOTrainer:
     def fit(self):
         from tqdm import tqdm
 
+        # trainer.time_limit_minutes counts from here: resuming, validation and saving are included,
+        # so the limit is the wall clock this run spends training (model loading comes before).
+        start = time.perf_counter()
         self.resume()
         run = self.cfg.trainer
         if run.val_before_train and self.step == 0:
@@ -248,7 +252,8 @@ class PPOTrainer:
                 self.step += 1
                 metrics["timing_s/step"] = time.perf_counter() - t
                 metrics["data/epoch"] = self.sampler.epoch
-                last = self.step == self.total_steps
+                elapsed_s = time.perf_counter() - start
+                last = is_last_step(self.step, self.total_steps, elapsed_s, run.time_limit_minutes)
                 if run.test_freq > 0 and (self.step % run.test_freq == 0 or last):
                     metrics |= self.validate()
                 if run.save_freq > 0 and (self.step % run.save_freq == 0 or last):
@@ -256,7 +261,18 @@ class PPOTrainer:
                 self.tracker.log(metrics, step=self.step)
                 bar.update(1)
                 bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}")
+                if last and self.step < self.total_steps:
+                    log.info("stopped on the time limit at step %d of %d: %.1f min spent, "
+                             "trainer.time_limit_minutes=%g", self.step, self.total_steps, elapsed_s / 60,
+                             run.time_limit_minutes)
+                    break
         self.tracker.finish()
+
+
+def is_last_step(step: int, total_steps: int, elapsed_s: float, limit_minutes: float | None) -> bool:
+    """After `step` steps and `elapsed_s` seconds of `fit`: is this step the last one? Yes at the
+    planned total, or once the time limit is spent (a step that has started always finishes)."""
+    return step >= total_steps or (limit_minutes is not None and elapsed_s >= 60 * limit_minutes)
 
 
 def _mean_dicts(dicts: list[dict]) -> dict:

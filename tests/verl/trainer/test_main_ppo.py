@@ -81,9 +81,12 @@ def test_grpo_two_steps_resume_and_ppo(tiny_model_dir, bundled_data, bm25_server
     from transformers import AutoModelForCausalLM
     AutoModelForCausalLM.from_pretrained(out / "hf_actor")
 
-    # resume: a longer run continues at step 3 with the order an uninterrupted run would have
-    rows = train(grpo + ["trainer.total_training_steps=3", "trainer.val_before_train=false"], out)
-    assert [r["step"] for r in rows if r["step"] > 0][-1] == 3
+    # resume: a longer run continues at step 3 with the order an uninterrupted run would have. Its
+    # time limit (0.06 s) is spent by then, so step 3 of 5 is the last: validated (test_freq is 10) and saved
+    rows = train(grpo + ["trainer.total_training_steps=5", "trainer.time_limit_minutes=0.001",
+                         "trainer.test_freq=10", "trainer.val_before_train=false"], out)
+    assert [r["step"] for r in rows if r["step"] > 0][-1] == 3 and "val/reward/em" in rows[-1]
+    assert (out / "checkpoints" / "global_step_3").is_dir()
     order = [json.loads(l) for l in (out / "data_order.jsonl").read_text().splitlines()]
     assert [o["step"] for o in order] == [1, 2, 3]
     from transformers import AutoTokenizer
