@@ -22,7 +22,7 @@ import asyncio
 import logging
 import re
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Protocol
 
@@ -188,7 +188,7 @@ class SearchAgent:
 
     def _sampling(self, t: Trajectory, base: SamplingConfig) -> SamplingConfig:
         room = self.cfg.max_response_length - len(t.response_ids)
-        return SamplingConfig(base.temperature, base.top_p, max(1, min(base.max_tokens, room)), base.seed)
+        return replace(base, max_tokens=max(1, min(base.max_tokens, room)))  # keeps seed, logit_bias
 
     # -- schedules ----------------------------------------------------------------------------
 
@@ -290,6 +290,5 @@ class SearchAgentLoop:
         self.max_tokens_per_turn = max_response_length
 
     def run(self, prompts, sampling):
-        sampling = SamplingConfig(sampling.temperature, sampling.top_p,
-                                  min(sampling.max_tokens, self.max_tokens_per_turn), sampling.seed)
+        sampling = replace(sampling, max_tokens=min(sampling.max_tokens, self.max_tokens_per_turn))
         return self.agent.run(prompts, sampling)

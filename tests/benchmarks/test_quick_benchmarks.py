@@ -9,7 +9,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = ["bench_dense_search.py", "bench_corpus.py", "bench_server.py", "bench_cpu_indexes.py",
-           "bench_grpo_step.py", "bench_actor_update.py"]
+           "bench_grpo_step.py", "bench_actor_update.py", "bench_rollout.py"]
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
@@ -18,7 +18,8 @@ def test_quick(script, tmp_path):
         pytest.fail(f"benchmarks/{script} is missing")
     out = tmp_path / "out.jsonl"
     args = [sys.executable, str(ROOT / "benchmarks" / script), "--quick", "--out", str(out)]
-    if script in ("bench_corpus.py", "bench_server.py", "bench_grpo_step.py", "bench_actor_update.py"):
+    if script in ("bench_corpus.py", "bench_server.py", "bench_grpo_step.py", "bench_actor_update.py",
+                  "bench_rollout.py"):
         args += ["--workdir", str(tmp_path / "work")]
     r = subprocess.run(args, capture_output=True, text=True, timeout=300, cwd=ROOT,
                        env={**os.environ, "PYTHONPATH": str(ROOT)})

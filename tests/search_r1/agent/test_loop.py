@@ -225,3 +225,27 @@ def test_vllm_agent_against_real_retrieval_server(smollm2_dir, dense_server):
         assert len(t.response_ids) <= 160
     for a, b in zip(results[Schedule.SYNC], results[Schedule.ASYNC]):
         assert a.response_ids == b.response_ids and a.loss_mask == b.loss_mask
+
+
+# ---------------------------------------------------------------------------------------------
+# Sampling settings reach the engine
+
+@pytest.mark.parametrize("schedule", list(Schedule))
+def test_logit_bias_reaches_the_engine(tiny_model_dir, schedule):
+    """A real HF engine on a random model: a large bias on one token makes every model token that
+    token, so the loop's per-turn settings (room-limited max_tokens) keep the bias; the trainer's
+    SearchAgentLoop, which caps tokens per turn, keeps it too. No search happens: nothing listens."""
+    from verl.workers.rollout.engines import HFEngine
+    from search_r1.agent.loop import SearchAgentLoop
+
+    engine = HFEngine(tiny_model_dir, seed=0)
+    tok = engine.tokenizer
+    token = tok.encode(" Paris", add_special_tokens=False)[0]
+    prompts = [tok.encode("Q: where?"), tok.encode("Q: who wrote it?")]
+    sampling = SamplingConfig(temperature=1.0, max_tokens=64, logit_bias={token: 100.0})
+    agent = SearchAgent(engine, DictSearcher(), AgentConfig(max_response_length=12, schedule=schedule))
+    trainer_loop = SearchAgentLoop(engine, max_turns=1, max_response_length=6, schedule=schedule,
+                                   retriever_url=f"http://127.0.0.1:{free_port()}/retrieve")
+    for trajectories, length in ((agent.run(prompts, sampling), 12), (trainer_loop.run(prompts, sampling), 6)):
+        for t in trajectories:
+            assert t.response_ids == [token] * length and t.finish == Finish.LENGTH

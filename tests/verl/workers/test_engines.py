@@ -6,6 +6,7 @@ piece of text that ends at a token boundary, which a second greedy run must stop
 """
 
 import asyncio
+from dataclasses import replace
 
 import pytest
 
@@ -162,3 +163,26 @@ def test_vllm_load_weights_takes_effect_and_restores(vllm_engine, tiny_model, pr
     vllm_engine.load_weights(original.items())
     after = [g.token_ids for g in vllm_engine.generate(prompts, GREEDY, stop=[])]
     assert changed != before and after == before
+
+
+def test_logit_bias_makes_a_token_appear(engine, prompts):
+    token = engine.tokenizer.encode(" Paris", add_special_tokens=False)[0]
+    assert all(token not in g.token_ids for g in engine.generate(prompts, GREEDY, stop=[]))
+    for sampling in (replace(GREEDY, logit_bias={token: 100.0}),
+                     SamplingConfig(temperature=1.0, max_tokens=8, logit_bias={token: 100.0})):
+        generations = engine.generate(prompts, sampling, stop=[])
+        assert [g.token_ids for g in generations] == [[token] * sampling.max_tokens] * len(prompts)
+
+
+def test_generate_one_keeps_biased_and_unbiased_calls_apart(engine, prompts):
+    # Concurrent calls share a batch only with equal settings; a dict-valued bias must not break that.
+    token = engine.tokenizer.encode(" Paris", add_special_tokens=False)[0]
+    plain = SamplingConfig(temperature=0, max_tokens=4)
+
+    async def run():
+        return await asyncio.gather(engine.generate_one(prompts[0], replace(plain, logit_bias={token: 100.0}), []),
+                                    engine.generate_one(prompts[0], plain, []))
+
+    biased, unbiased = asyncio.run(run())
+    assert biased.token_ids == [token] * 4
+    assert unbiased == engine.generate(prompts[:1], plain, stop=[])[0]

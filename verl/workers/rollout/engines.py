@@ -26,7 +26,7 @@ import itertools
 import logging
 import os
 import sys
-from dataclasses import astuple, dataclass
+from dataclasses import astuple, dataclass, replace
 from enum import StrEnum
 from typing import Any, Protocol
 
@@ -42,6 +42,7 @@ class SamplingConfig:
     top_p: float = 1.0
     max_tokens: int = 512     # new tokens per call
     seed: int | None = None   # makes one call's samples reproducible; ignored by vLLM on CPU
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling
 
 
 @dataclass
@@ -98,7 +99,7 @@ class _MicroBatcher:
             # Only calls with equal sampling settings and stop strings can share a batch.
             groups: dict[tuple, list] = {}
             for item in batch:
-                groups.setdefault((astuple(item[1]), item[2]), []).append(item)
+                groups.setdefault((_sampling_key(item[1]), item[2]), []).append(item)
             for items in groups.values():
                 prompts = [prompt for prompt, *_ in items]
                 sampling, stop = items[0][1], list(items[0][2])
@@ -112,6 +113,12 @@ class _MicroBatcher:
                 for (*_, future), generation in zip(items, generations):
                     if not future.done():  # the caller may have been cancelled meanwhile
                         future.set_result(generation)
+
+
+def _sampling_key(sampling: SamplingConfig) -> tuple:
+    """A hashable key of the settings: equal keys can share one batched call."""
+    bias = tuple(sorted(sampling.logit_bias.items())) if sampling.logit_bias else None
+    return astuple(replace(sampling, logit_bias=None)) + (bias,)
 
 
 @contextlib.contextmanager
@@ -156,6 +163,7 @@ def _vllm_sampling_params(sampling: SamplingConfig, stop: list[str], seed: int |
         seed=seed,
         stop=list(stop),
         include_stop_str_in_output=True,  # the tag stays in the trajectory, token for token
+        logit_bias=sampling.logit_bias,
     )
 
 
@@ -376,12 +384,15 @@ class HFEngine:
             input_ids_BT[row, prompt_len - len(prompt):] = torch.tensor(prompt)
             attention_mask_BT[row, prompt_len - len(prompt):] = 1
         greedy = sampling.temperature == 0
+        # Added to the raw logits before temperature and top-p, as vLLM applies logit_bias.
+        bias = [[[token], b] for token, b in sampling.logit_bias.items()] if sampling.logit_bias else None
         config = GenerationConfig(
             max_new_tokens=sampling.max_tokens,
             do_sample=not greedy,
             temperature=None if greedy else sampling.temperature,
             top_p=None if greedy else sampling.top_p,
             top_k=None if greedy else 0,  # transformers would otherwise default to top-50; vLLM uses all
+            sequence_bias=bias,
             eos_token_id=sorted(self.eos_ids),
             pad_token_id=self.pad_id,
         )

@@ -1,0 +1,428 @@
+"""Rollout: generated tokens/s of the search agent loop vs the engine's plain generation of the same tokens.
+
+For each concurrency (trajectories in one rollout) and schedule (sync, async), the agent loop of
+`search_r1.agent.loop` runs with a real engine against a real retrieval server: the bundled MiniLM
+encoder and an exact index over the bundled corpus (BM25 would answer most gibberish queries with
+nothing: it drops hits that share no term with the query). Then ONE plain engine call generates, for
+every trajectory, exactly as many tokens as the model wrote in it (loss_mask 1; observations
+excluded), from the same prompt, with the same sampling settings but no stop strings and EOS ignored.
+ratio = agent tokens/s ÷ plain tokens/s; the goal is ≥ 0.9 (tool calls must not stall the engine).
+The HF fallback runs the same loop at a smaller concurrency, and its tokens/s are compared with
+vLLM's at that concurrency.
+
+The plain run does less work: the agent loop also prefills the observations (retrieved passages,
+corrections) and re-sends each trajectory's history every turn (vLLM's prefix cache, on by default,
+serves most of it; HF recomputes it). Rows report prompt and observation tokens so this can be judged.
+The async schedule goes through the engines' `generate_one` micro-batcher, as the trainer runs it.
+
+Model: random weights of a Qwen2.5 shape (Llama layout, tied embeddings, as `bench_grpo_step.py`
+builds it), vocabulary = the tokenizer's: SmolLM2's 49,152 (+2 tags) by default; pass --tokenizer
+with a Qwen2.5 tokenizer for its 151k-token LM head.
+
+How the random policy is steered (on its own it never writes a tag):
+- `<search>` and `</search>` are added to the tokenizer as single ordinary (not special) tokens: each
+  is one draw, decodes to its text (the loop parses text decoded without special tokens), and the
+  model's vocabulary covers both.
+- Both get a logit bias through `SamplingConfig.logit_bias` (vLLM `logit_bias`, HF `sequence_bias`)
+  that gives each the same probability p = (max_turns + 1) / response_tokens per token. Each bias is
+  calibrated once, with the first engine built: start from b = ln(p·V / (1 − 2p)) (right if the
+  logits were uniform over the V tokens; a random model's own offset for a token puts it off by up
+  to ~2x), generate freely from the prompts (2/p tokens each, no stop strings), count the tag and
+  correct b by ln(p / measured frequency). --tag-bias sets both instead. A turn then ends at its
+  first `</search>`, after ~1/p tokens (geometric), so max_turns + 1 turns make ~response_tokens
+  model tokens. Each turn is capped at --max-tokens-per-turn (default 4/p: a turn reaches it with
+  probability e^-4 ≈ 2%, which ends the trajectory as `length`).
+- Nothing else is steered: prompts (bundled questions, 5 trajectories per question), stop strings,
+  parsing, observations and finish rules are the loop's own; sampling is at temperature 1.
+- A bias that does not depend on earlier tokens cannot make most turns valid: a turn is a valid
+  search only if exactly one `<search>` precedes its `</search>`, which happens with probability
+  r(1 − r), r = P(<search>) / (P(<search>) + P(</search>)), at most 1/4 at r = 1/2 (hence equal
+  biases). The rest are invalid actions (`</search>` without `<search>`: 1/2; two `<search>`: 1/4)
+  that the loop answers with its short correction instead of passages. Expect ~1 real (gibberish)
+  search per trajectory of 4 searchable turns; rows report valid searches, invalid actions, turns
+  and finish reasons. `</answer>` is several tokens and never appears, so trajectories end by
+  max_turns (a `</search>` in the last turn), length (a turn hit its cap) or, rarely, EOS.
+
+CPU figures (--quick) are a smoke test: on a busy 2-core machine, torch ops ran ~10x slower in the
+main thread (the sync schedule, the plain runs) than in a worker thread (the async schedule's engine
+calls), so CPU ratios say nothing about the schedules.
+
+HF decodes a 3B model at ~60 ms a step whatever the batch, and a sync turn lasts as long as its
+longest trajectory, so HF at the full settings takes many minutes: compare it at smaller ones.
+
+    python benchmarks/bench_rollout.py --shape 3b --engine vllm --trajectories 256,512,1024   # one GPU
+    python benchmarks/bench_rollout.py --shape 3b --engine both --trajectories 64 --hf-trajectories 64 \
+        --max-turns 2 --response-tokens 300 --schedules sync                                 # HF vs vLLM
+    python benchmarks/bench_rollout.py --quick                                                # CPU (CI)
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import math
+import sys
+import time
+from collections import Counter
+from dataclasses import replace
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # the package first, then the test helpers
+
+import torch  # noqa: E402
+from transformers import StoppingCriteria  # noqa: E402
+
+log = logging.getLogger("bench_rollout")
+
+# hidden, layers, heads, kv heads, intermediate (Qwen2.5 shapes, as in bench_grpo_step.py)
+SHAPES = {"tiny": (64, 2, 2, 1, 128), "0.5b": (896, 24, 14, 2, 4864), "3b": (2048, 36, 16, 2, 11008)}
+TAGS = ("<search>", "</search>")
+SAMPLES_PER_QUESTION = 5  # trajectories share a prompt in groups, as GRPO's n does
+
+
+def tagged_tokenizer(source: str | None, out: Path):
+    """The tokenizer with `<search>` and `</search>` as single ordinary tokens, saved to `out`."""
+    from transformers import AutoTokenizer
+    from search_r1.models import load_smollm2_tokenizer
+
+    tok = load_smollm2_tokenizer() if source is None else AutoTokenizer.from_pretrained(source)
+    tok.add_tokens(list(TAGS))  # not special: the loop decodes with skip_special_tokens=True
+    for tag in TAGS:
+        if len(tok.encode(tag, add_special_tokens=False)) != 1:
+            raise SystemExit(f"{tag!r} is not one token in {source or 'SmolLM2'}'s tokenizer after adding it")
+    tok.save_pretrained(out)
+    return tok
+
+
+def build_model(a, work: Path) -> tuple[str, object]:
+    from search_r1.models import make_tiny_model
+
+    name = "smollm2" if a.tokenizer is None else Path(a.tokenizer).name
+    tok = tagged_tokenizer(a.tokenizer, work / f"tokenizer_{name}")
+    out = work / f"model_{a.shape}_{name}"
+    if (out / "config.json").is_file():  # same arguments give the same weights: reuse
+        return str(out), tok
+    hidden, layers, heads, kv, inter = SHAPES[a.shape]
+    tiny = a.shape == "tiny"
+    path = make_tiny_model(out, tokenizer_from=work / f"tokenizer_{name}", hidden=hidden, layers=layers,
+                           heads=heads, kv_heads=kv, intermediate=inter, max_position_embeddings=8192,
+                           init_std=0.3 if tiny else 0.02, dtype="float32" if tiny else "bfloat16")
+    return path, tok
+
+
+def tag_bias(vocab: int, mean_turn: float) -> float:
+    """Logit bias giving each tag probability 1/mean_turn per token if the logits were uniform."""
+    p = 1 / mean_turn
+    return math.log(p * vocab / (1 - 2 * p))
+
+
+def calibrate_tag_bias(engine, prompts, tag_ids: list[int], mean_turn: float) -> dict[int, float]:
+    """Each tag's bias such that the engine writes it once every `mean_turn` tokens.
+
+    A random model's logit for a given token has an offset of its own (the formula above is off by
+    up to ~2x for a 0.5b/3b shape), so measure: generate freely (no stop strings) under the uniform-logit
+    guess, count each tag, and correct its bias by log(target / measured frequency). While p ≪ 1 it
+    is proportional to e^bias, so one step suffices up to sampling noise (~10% with ≥ 100 hits)."""
+    from verl.workers.rollout.engines import SamplingConfig
+
+    guess = {t: tag_bias(len(engine.tokenizer), mean_turn) for t in tag_ids}
+    generations = engine.generate(prompts, SamplingConfig(max_tokens=round(2 * mean_turn), logit_bias=guess), stop=[])
+    counts = Counter(t for g in generations for t in g.token_ids)
+    total = sum(len(g.token_ids) for g in generations)
+    return {t: b + math.log(total / mean_turn / max(counts[t], 1)) for t, b in guess.items()}
+
+
+def make_prompts(tok, n: int) -> list[list[int]]:
+    from search_r1.data.bundled import bundled_paths, read_jsonl
+    from search_r1.data.templates import make_prompt, make_prompt_text
+
+    questions = [r["question"] for split in ("test", "train") for r in read_jsonl(bundled_paths()[split])]
+    prompts = []
+    for i in range(n):
+        question = questions[(i // SAMPLES_PER_QUESTION) % len(questions)]
+        text = (tok.apply_chat_template(make_prompt(question), add_generation_prompt=True, tokenize=False)
+                if tok.chat_template else make_prompt_text(question, "base"))
+        prompts.append(tok(text, add_special_tokens=False).input_ids)
+    return prompts
+
+
+class TimedSearcher:
+    """The real HTTP searcher; records the wall-clock interval of every call and empty answers."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.intervals: list[tuple[float, float]] = []
+        self.empty = 0  # queries answered with no passage
+
+    def search(self, queries, topk):
+        t0 = time.perf_counter()
+        try:
+            hits = self.inner.search(queries, topk)
+        finally:
+            self.intervals.append((t0, time.perf_counter()))
+        self.empty += sum(not h for h in hits)
+        return hits
+
+    async def asearch(self, queries, topk):
+        t0 = time.perf_counter()
+        try:
+            hits = await self.inner.asearch(queries, topk)
+        finally:
+            self.intervals.append((t0, time.perf_counter()))
+        self.empty += sum(not h for h in hits)
+        return hits
+
+    def busy_s(self) -> float:
+        """Time during which at least one search was in flight (overlapping calls count once)."""
+        total, end = 0.0, -math.inf
+        for start, stop in sorted(self.intervals):
+            if stop > end:
+                total += stop - max(start, end)
+                end = stop
+        return total
+
+
+def run_agent(engine, searcher: TimedSearcher, prompts, cfg, sampling) -> tuple[dict, list[int]]:
+    """One rollout; returns its statistics and the model tokens of every trajectory."""
+    from search_r1.agent.loop import SearchAgent
+
+    searcher.intervals.clear()
+    searcher.empty = 0
+    t0 = time.perf_counter()
+    trajectories = SearchAgent(engine, searcher, cfg).run(prompts, sampling)
+    wall_s = time.perf_counter() - t0
+    model_tokens_B = [sum(t.loss_mask) for t in trajectories]
+    n, turns = len(trajectories), sum(t.turns for t in trajectories)
+    return {
+        "wall_s": round(wall_s, 3),
+        "model_tokens": sum(model_tokens_B),
+        "tokens_per_s": round(sum(model_tokens_B) / wall_s, 1),
+        "prompt_tokens": sum(map(len, prompts)),
+        "observation_tokens": sum(len(t.loss_mask) for t in trajectories) - sum(model_tokens_B),
+        "turns_per_trajectory": round(turns / n, 3),
+        "model_tokens_per_turn": round(sum(model_tokens_B) / turns, 1),
+        "searches_valid": sum(t.searches for t in trajectories),
+        "invalid_actions": sum(t.invalid_actions for t in trajectories),
+        "finish": dict(Counter(str(t.finish) for t in trajectories)),
+        "retrieval_busy_s": round(searcher.busy_s(), 3),
+        "retrieval_calls": len(searcher.intervals),
+        "searches_without_passages": searcher.empty,
+        "retrieval_failed": sum(t.retrieval_failed for t in trajectories),
+    }, model_tokens_B
+
+
+def plain_vllm(engine, prompts, n_tokens_B: list[int], sampling) -> float:
+    """One `LLM.generate` call: exactly n_tokens_B[i] new tokens for prompt i. Returns seconds."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = [SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p, max_tokens=n,
+                             ignore_eos=True, logit_bias=sampling.logit_bias) for n in n_tokens_B]
+    t0 = time.perf_counter()
+    outputs = engine.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False)
+    wall_s = time.perf_counter() - t0
+    got = [len(o.outputs[0].token_ids) for o in outputs]
+    if got != n_tokens_B:
+        raise RuntimeError(f"plain vLLM run generated {sum(got)} tokens instead of {sum(n_tokens_B)}")
+    return wall_s
+
+
+class _StopAtLengths(StoppingCriteria):
+    """Row i of a left-padded batch is done after lengths_B[i] new tokens."""
+
+    def __init__(self, lengths_B: torch.Tensor, prompt_len: int):
+        self.lengths_B, self.prompt_len = lengths_B, prompt_len
+
+    def __call__(self, input_ids_BT: torch.LongTensor, scores, **kwargs) -> torch.BoolTensor:
+        return self.lengths_B.to(input_ids_BT.device) <= input_ids_BT.shape[1] - self.prompt_len
+
+
+@torch.no_grad()
+def plain_hf(engine, prompts, n_tokens_B: list[int], sampling) -> float:
+    """`generate` in the engine's batches, as HFEngine runs them: row i stops after n_tokens_B[i] new
+    tokens, EOS ignored; a batch runs until its longest row is done. Returns seconds."""
+    from transformers import GenerationConfig, StoppingCriteriaList
+
+    bias = [[[token], b] for token, b in sampling.logit_bias.items()] if sampling.logit_bias else None
+    t0 = time.perf_counter()
+    for lo in range(0, len(prompts), engine.batch_size):
+        batch, lengths = prompts[lo:lo + engine.batch_size], n_tokens_B[lo:lo + engine.batch_size]
+        prompt_len = max(map(len, batch))
+        input_ids_BT = torch.full((len(batch), prompt_len), engine.pad_id, dtype=torch.long)
+        attention_mask_BT = torch.zeros_like(input_ids_BT)
+        for row, prompt in enumerate(batch):
+            input_ids_BT[row, prompt_len - len(prompt):] = torch.tensor(prompt)
+            attention_mask_BT[row, prompt_len - len(prompt):] = 1
+        config = GenerationConfig(max_new_tokens=max(lengths), do_sample=True, temperature=sampling.temperature,
+                                  top_p=sampling.top_p, top_k=0, pad_token_id=engine.pad_id,
+                                  eos_token_id=[],  # None would fall back to the model's EOS
+                                  sequence_bias=bias)
+        engine.model.generate(input_ids=input_ids_BT.to(engine.device),
+                              attention_mask=attention_mask_BT.to(engine.device), generation_config=config,
+                              stopping_criteria=StoppingCriteriaList([_StopAtLengths(torch.tensor(lengths),
+                                                                                     prompt_len)]))
+    if engine.device.startswith("cuda"):
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
+def measure(engine_name: str, engine, plain, searcher, prompts_all, concurrencies, schedules, cfg, sampling,
+            common: dict, emit) -> None:
+    from search_r1.agent.loop import Schedule
+
+    for n in concurrencies:
+        prompts = prompts_all[:n]
+        for schedule in schedules:
+            log.info("%s: %d trajectories, %s schedule", engine_name, n, schedule)
+            cfg_s = replace(cfg, schedule=Schedule(schedule))
+            agent, n_tokens_B = run_agent(engine, searcher, prompts, cfg_s, sampling)
+            log.info("%s: plain generation of the same %d tokens", engine_name, sum(n_tokens_B))
+            plain_s = plain(engine, prompts, n_tokens_B, sampling)
+            plain_row = {**common, "engine": engine_name, "trajectories": n, "schedule": schedule, "mode": "plain",
+                         "wall_s": round(plain_s, 3), "model_tokens": sum(n_tokens_B),
+                         "tokens_per_s": round(sum(n_tokens_B) / plain_s, 1), "prompt_tokens": agent["prompt_tokens"]}
+            emit({**common, "engine": engine_name, "trajectories": n, "schedule": schedule, "mode": "agent", **agent,
+                  "ratio_to_plain": round(agent["tokens_per_s"] / plain_row["tokens_per_s"], 3)})
+            emit(plain_row)
+
+
+def print_table(rows: list[dict]) -> None:
+    plain = {(r["engine"], r["trajectories"], r["schedule"]): r for r in rows if r["mode"] == "plain"}
+    head = (f"{'engine':6} {'traj':>5} {'sched':5} {'agent tok/s':>11} {'plain tok/s':>11} {'ratio':>6} "
+            f"{'hf/vllm':>7} {'wall s':>7} {'turns':>5} {'tok/turn':>8} {'valid/inv':>10} {'retr s':>6} "
+            f"{'prompt+obs tok':>15}  finish")
+    print("\n" + head + "\n" + "-" * len(head))
+    for r in rows:
+        if r["mode"] != "agent":
+            continue
+        p = plain[(r["engine"], r["trajectories"], r["schedule"])]
+        hf = f"{r['hf_over_vllm']:.2f}" if "hf_over_vllm" in r else "-"
+        finish = " ".join(f"{k}:{v}" for k, v in sorted(r["finish"].items()))
+        print(f"{r['engine']:6} {r['trajectories']:>5} {r['schedule']:5} {r['tokens_per_s']:>11,.0f} "
+              f"{p['tokens_per_s']:>11,.0f} {r['ratio_to_plain']:>6.2f} {hf:>7} {r['wall_s']:>7.1f} "
+              f"{r['turns_per_trajectory']:>5.2f} {r['model_tokens_per_turn']:>8.0f} "
+              f"{r['searches_valid']:>4}/{r['invalid_actions']:<5} {r['retrieval_busy_s']:>6.1f} "
+              f"{r['prompt_tokens']:>7}+{r['observation_tokens']:<7}  {finish}")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shape", choices=sorted(SHAPES), default="3b")
+    p.add_argument("--tokenizer", help="a tokenizer dir (default: SmolLM2's, from the bundled GGUF)")
+    p.add_argument("--engine", choices=["vllm", "hf", "both"],
+                   help="default: both (--quick: both if vllm imports, else hf)")
+    p.add_argument("--trajectories", default="256,512,1024", help="vLLM concurrencies, comma-separated")
+    p.add_argument("--hf-trajectories", default="64", help="HF concurrencies (vLLM also runs these with both)")
+    p.add_argument("--schedules", default="sync,async", help="agent-loop schedules, comma-separated")
+    p.add_argument("--max-turns", type=int, default=4, help="searches allowed per trajectory")
+    p.add_argument("--response-tokens", type=int, default=900,
+                   help="mean model tokens per trajectory, spread over max_turns + 1 turns (sets the tag bias)")
+    p.add_argument("--max-tokens-per-turn", type=int, help="default: 4 × the mean turn length")
+    p.add_argument("--max-obs-length", type=int, default=500, help="tokens per observation")
+    p.add_argument("--topk", type=int, default=3, help="passages per search")
+    p.add_argument("--tag-bias", type=float, help="logit bias of both tags (default: calibrated to --response-tokens)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.7,
+                   help="vLLM's share of GPU memory; the rest holds the HF engine with --engine both")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--workdir", default="outputs/bench_rollout")
+    p.add_argument("--quick", action="store_true", help="CPU, tiny shape and sizes (CI)")
+    p.add_argument("--out", help="append one JSON row per measurement to this file")
+    a = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    if a.quick:
+        a.shape, a.trajectories, a.hf_trajectories, a.max_turns = "tiny", "4,8", "4", 2
+        a.response_tokens, a.max_obs_length = 48, 128
+        from conftest import vllm_skip_reason
+        a.engine = a.engine or ("hf" if vllm_skip_reason() else "both")
+    a.engine = a.engine or "both"
+    gpu = torch.cuda.is_available() and not a.quick
+    mean_turn = a.response_tokens / (a.max_turns + 1)
+    if mean_turn <= 2:
+        raise SystemExit(f"--response-tokens {a.response_tokens} over {a.max_turns + 1} turns is ≤ 2 tokens a "
+                         "turn: raise --response-tokens")
+    cap = a.max_tokens_per_turn or round(4 * mean_turn)
+    vllm_n = [int(x) for x in a.trajectories.split(",")] if a.engine != "hf" else []
+    hf_n = [int(x) for x in a.hf_trajectories.split(",")] if a.engine != "vllm" else []
+    if a.engine == "both":  # the HF rows are compared with vLLM at the same concurrency
+        vllm_n = sorted(set(vllm_n) | set(hf_n))
+    schedules = a.schedules.split(",")
+    work = Path(a.workdir)
+    work.mkdir(parents=True, exist_ok=True)
+
+    from conftest import ServerProcess
+    from search_r1.agent.loop import AgentConfig, HTTPSearcher
+    from search_r1.data.bundled import bundled_paths
+    from search_r1.retrieval.build import build_dense
+    from search_r1.retrieval.client import RetrieverConfig
+    from verl.workers.rollout.engines import HFEngine, SamplingConfig, VLLMEngine
+
+    model, tok = build_model(a, work)
+    prompts_all = make_prompts(tok, max(vllm_n + hf_n))
+    tag_ids = [tok.convert_tokens_to_ids(tag) for tag in TAGS]
+    logit_bias = None if a.tag_bias is None else {t: a.tag_bias for t in tag_ids}
+    # Room for every turn's cap and observation: the per-turn cap, not the total, limits a turn.
+    cfg = AgentConfig(max_turns=a.max_turns, max_obs_length=a.max_obs_length, topk=a.topk, timeout_s=3600,
+                      max_response_length=(a.max_turns + 1) * cap + a.max_turns * a.max_obs_length)
+    max_model_len = max(map(len, prompts_all)) + cfg.max_response_length + 8
+    common = {"bench": "rollout", "device": torch.cuda.get_device_name() if gpu else "cpu", "shape": a.shape,
+              "vocab": len(tok), "max_turns": a.max_turns, "mean_turn_target": round(mean_turn, 1),
+              "max_tokens_per_turn": cap, "max_obs_length": a.max_obs_length, "topk": a.topk}
+    log.info("model %s; mean turn %.0f tokens, cap %d; vLLM at %s, HF at %s", model, mean_turn, cap, vllm_n, hf_n)
+
+    rows: list[dict] = []
+
+    def emit(row: dict) -> None:
+        if row["engine"] == "hf":  # vLLM ran first, at the same concurrency where --engine both
+            ref = next((r for r in rows if r["engine"] == "vllm" and all(
+                r[k] == row[k] for k in ("trajectories", "schedule", "mode"))), None)
+            if ref:
+                row["hf_over_vllm"] = round(row["tokens_per_s"] / ref["tokens_per_s"], 3)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        if a.out:
+            with open(a.out, "a") as f:
+                f.write(json.dumps(row) + "\n")
+
+    corpus = bundled_paths()["corpus"]
+    index = work / "minilm_index"
+    if not ((index / "index_meta.json").is_file() and json.loads((index / "index_meta.json").read_text())["complete"]):
+        build_dense(str(corpus), str(index), "all-MiniLM-L6-v2", progress=False)
+        if gpu:
+            torch.cuda.empty_cache()  # the encoder's memory goes back before vLLM sizes its cache
+    server = ServerProcess(["--retriever_name", "minilm", "--retriever_model", "all-MiniLM-L6-v2",
+                            "--index_path", str(index), "--corpus_path", str(corpus)], work / "retrieval.log")
+    t_start = time.perf_counter()
+    try:
+        searcher = TimedSearcher(HTTPSearcher(RetrieverConfig(url=f"{server.url}/retrieve", topk=a.topk)))
+        searcher.search(["warm up"], a.topk)
+        asyncio.run(searcher.asearch(["warm up"], a.topk))
+        # vLLM first: it takes its share of GPU memory at start, and HF uses what is left.
+        for name, concurrencies in (("vllm", vllm_n), ("hf", hf_n)):
+            if not concurrencies:
+                continue
+            if name == "vllm":
+                kw = ({"gpu_memory_utilization": a.gpu_memory_utilization} if gpu
+                      else {"kv_cache_memory_bytes": 256 << 20})  # small explicit CPU cache: no profiling run
+                engine = VLLMEngine(model, seed=a.seed, max_model_len=max_model_len, **kw)
+                plain = plain_vllm
+            else:
+                engine = HFEngine(model, device="cuda" if gpu else "cpu", dtype="bfloat16" if gpu else "float32",
+                                  seed=a.seed, batch_size=max(hf_n))
+                plain = plain_hf
+            engine.generate(prompts_all[:8], SamplingConfig(max_tokens=8), [])  # warm-up
+            if logit_bias is None:  # with the first engine; both share the weights
+                logit_bias = calibrate_tag_bias(engine, prompts_all[:64], tag_ids, mean_turn)
+            common["tag_bias"] = {tag: round(logit_bias[t], 3) for tag, t in zip(TAGS, tag_ids)}
+            log.info("tag logit bias %s", common["tag_bias"])
+            sampling = SamplingConfig(temperature=1.0, top_p=1.0, max_tokens=cap, logit_bias=logit_bias)
+            measure(name, engine, plain, searcher, prompts_all, concurrencies, schedules, cfg, sampling, common, emit)
+    finally:
+        server.stop()
+    print_table(rows)
+    print(f"measured in {time.perf_counter() - t_start:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
