@@ -56,6 +56,9 @@ class AgentConfig:
     max_response_length: int = 1024   # tokens after the prompt: model tokens + observations
     max_obs_length: int = 512         # tokens per observation
     topk: int = 3                     # passages per search
+    # A policy can write a query of thousands of characters; a server refuses those (HTTP 400) and,
+    # in the sync schedule, with them the whole turn's batch. Longer queries are cut to this length.
+    max_query_chars: int = 1024
     schedule: Schedule = Schedule.SYNC
     timeout_s: float = 1800.0         # for the whole rollout
 
@@ -162,7 +165,7 @@ class SearchAgent:
         elif gen.stop_reason == "</search>":
             text = self.engine.tokenizer.decode(context + gen.token_ids, skip_special_tokens=True)
             found = SEARCH_RE.findall(text)
-            query = found[-1].strip() if found else ""
+            query = found[-1].strip()[:self.cfg.max_query_chars] if found else ""
             if last_turn:
                 t.finish = Finish.MAX_TURNS
             elif not query or "<search>" in query:

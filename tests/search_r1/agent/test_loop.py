@@ -166,6 +166,18 @@ def test_sync_schedule_batches_retrieval(tokenizer):
     assert searcher.batches == [[f"q{i}" for i in range(5)]]
 
 
+def test_long_queries_are_cut_before_they_reach_the_retriever(tokenizer):
+    # One over-long query (3,000 characters on a GPU run) made the server refuse the whole batch of
+    # a sync turn.
+    searcher = DictSearcher()
+    long_query = "word " * 150
+    scripts = {"P0:": [f"<search>{long_query}</search>", "<answer> a </answer>"],
+               "P1:": ["<search> short </search>", "<answer> b </answer>"]}
+    trajectories, _ = run(tokenizer, scripts, searcher, max_query_chars=100)
+    assert searcher.batches == [[long_query.strip()[:100], "short"]]
+    assert all(t.searches == 1 and t.finish == Finish.ANSWER for t in trajectories)
+
+
 @pytest.mark.parametrize("schedule", list(Schedule))
 def test_retriever_down_never_crashes(tokenizer, schedule):
     # a real client against a port nobody listens on: retries, then the search is marked failed
