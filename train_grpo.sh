@@ -21,6 +21,7 @@ exec "${PYTHON:-python3}" -m verl.trainer.main_ppo \
     algorithm.use_kl_in_reward=false \
     actor_rollout_ref.model.path="$BASE_MODEL" \
     actor_rollout_ref.model.enable_gradient_checkpointing=true \
+    actor_rollout_ref.model.use_torch_compile=true \
     actor_rollout_ref.actor.optim.lr=1e-6 \
     actor_rollout_ref.actor.optim.lr_warmup_steps_ratio=0.285 \
     actor_rollout_ref.actor.ppo_mini_batch_size=256 \
