@@ -35,6 +35,8 @@ def main(argv=None):
     p.add_argument("--gpus", type=int, default=1)
     p.add_argument("--max-turns", type=int, default=2)
     p.add_argument("--response-length", type=int, default=256, help="tokens per turn")
+    p.add_argument("--retriever-url", help="use this running server (e.g. a dense one over 21M passages, "
+                   "`search-r1 serve`) instead of a BM25 server over the bundled corpus")
     p.add_argument("--workdir", default="outputs/bench_grpo")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--out")
@@ -58,10 +60,13 @@ def main(argv=None):
     for split in ("train", "test"):
         if not (work / f"{split}.parquet").exists():
             preprocess.main(["--bundled", "--split", split, "--out", str(work / f"{split}.parquet")])
-    corpus = bundled_paths()["corpus"]
-    index = build_bm25_index(str(corpus), str(work / "bm25"), progress=False)
-    server = ServerProcess(["--retriever_name", "bm25", "--index_path", str(index), "--corpus_path", str(corpus)],
-                           work / "retrieval.log")
+    server = None
+    if a.retriever_url is None:
+        corpus = bundled_paths()["corpus"]
+        index = build_bm25_index(str(corpus), str(work / "bm25"), progress=False)
+        server = ServerProcess(["--retriever_name", "bm25", "--index_path", str(index), "--corpus_path", str(corpus)],
+                               work / "retrieval.log")
+    retriever_url = a.retriever_url or f"{server.url}/retrieve"
     gpu = not a.quick
     run_dir = work / f"run_{a.shape}_{int(time.time())}"
     mini = a.prompts  # one optimizer step per training step
@@ -79,7 +84,7 @@ def main(argv=None):
             f"actor_rollout_ref.rollout.gpu_memory_utilization={0.5 if gpu else 0.3}",
             # random weights never answer; a reward that varies keeps the updates non-zero
             "reward.function=rewards_for_tests:early_letter_reward",
-            f"max_turns={a.max_turns}", f"retriever.url={server.url}/retrieve",
+            f"max_turns={a.max_turns}", f"retriever.url={retriever_url}",
             f"trainer.n_gpus_per_node={a.gpus}", f"trainer.device={'cuda' if gpu else 'cpu'}",
             f"trainer.total_training_steps={a.steps}", "trainer.val_before_train=false",
             "trainer.save_freq=-1", "trainer.logger=[console,jsonl]", f"trainer.default_local_dir={run_dir}",
@@ -90,7 +95,8 @@ def main(argv=None):
     try:
         r = subprocess.run([sys.executable, "-m", "verl.trainer.main_ppo", *args], cwd=ROOT, env=env)
     finally:
-        server.stop()
+        if server is not None:
+            server.stop()
     if r.returncode:
         raise SystemExit(f"training failed (exit {r.returncode}); see the log above")
     rows = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
