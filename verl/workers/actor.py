@@ -38,9 +38,9 @@ import torch.distributed as dist
 from verl.protocol import RolloutBatch
 from verl.trainer.core_algos import LossAgg, agg_loss, kl_penalty, policy_loss
 from verl.workers.fsdp import (all_reduce_scalar, build_causal_lm, build_lr_scheduler, build_optimizer,
-                               check_batch_sizes, clip_grad_norm_, compile_layers, compute_device, forward_packed, loss_units,
-                               mixed_precision_context, move_optimizer_state, pick_attn_implementation, shard,
-                               shuffled_mini_batches, world_size)
+                               check_batch_sizes, clip_grad_norm_, compile_layers, compute_device, forward_packed,
+                               loss_units, mixed_precision_context, move_optimizer_state, pick_attn_implementation,
+                               shard, shuffled_mini_batches, world_size)
 
 logger = logging.getLogger(__name__)
 
