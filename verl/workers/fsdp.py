@@ -3,7 +3,9 @@
 - `init_distributed`: one process group per worker process (NCCL on GPUs, gloo on CPU).
 - `build_causal_lm` / `build_value_model`: fp32 master weights, dropout off, optional gradient
   checkpointing.
-- `shard`: FSDP2 (`fully_shard`) on every decoder layer, then on the root.
+- `shard`: FSDP2 (`fully_shard`) on every decoder layer, then on the root; `compile_layers`:
+  torch.compile of each decoder layer's forward (optional).
+- `varlen_attention` / `pick_attn_implementation`: the attention used for packed rows (below).
 - `full_state_dict_iter`: full tensors one at a time, for pushing weights to the rollout engine.
 - `forward_packed` / `forward_padded`: response log-probs (and entropy); `values_packed` /
   `values_padded`: critic values. The packed forms are what the workers use; the padded forms are
