@@ -13,7 +13,8 @@ vLLM's at that concurrency.
 The plain run does less work: the agent loop also prefills the observations (retrieved passages,
 corrections) and re-sends each trajectory's history every turn (vLLM's prefix cache, on by default,
 serves most of it; HF recomputes it). Rows report prompt and observation tokens so this can be judged.
-The async schedule goes through the engines' `generate_one` micro-batcher, as the trainer runs it.
+The async schedule goes through the engines' `generate_one` micro-batcher, as the trainer runs it;
+the continuous schedule (vLLM) steps the engine itself and adds each next turn to the running batch.
 
 Model: random weights of a Qwen2.5 shape (Llama layout, tied embeddings, as `bench_grpo_step.py`
 builds it), vocabulary = the tokenizer's: SmolLM2's 49,152 (+2 tags) by default; pass --tokenizer
@@ -275,6 +276,8 @@ def measure(engine_name: str, engine, plain, searcher, prompts_all, concurrencie
     for n in concurrencies:
         prompts = prompts_all[:n]
         for schedule in schedules:
+            if schedule == "continuous" and not hasattr(engine, "submit"):
+                continue  # the HF engine has no continuous batching
             log.info("%s: %d trajectories, %s schedule", engine_name, n, schedule)
             cfg_s = replace(cfg, schedule=Schedule(schedule))
             agent, n_tokens_B = run_agent(engine, searcher, prompts, cfg_s, sampling)
@@ -290,7 +293,7 @@ def measure(engine_name: str, engine, plain, searcher, prompts_all, concurrencie
 
 def print_table(rows: list[dict]) -> None:
     plain = {(r["engine"], r["trajectories"], r["schedule"]): r for r in rows if r["mode"] == "plain"}
-    head = (f"{'engine':6} {'traj':>5} {'sched':5} {'agent tok/s':>11} {'plain tok/s':>11} {'ratio':>6} "
+    head = (f"{'engine':6} {'traj':>5} {'sched':10} {'agent tok/s':>11} {'plain tok/s':>11} {'ratio':>6} "
             f"{'hf/vllm':>7} {'wall s':>7} {'turns':>5} {'tok/turn':>8} {'valid/inv':>10} {'retr s':>6} "
             f"{'prompt+obs tok':>15}  finish")
     print("\n" + head + "\n" + "-" * len(head))
@@ -300,7 +303,7 @@ def print_table(rows: list[dict]) -> None:
         p = plain[(r["engine"], r["trajectories"], r["schedule"])]
         hf = f"{r['hf_over_vllm']:.2f}" if "hf_over_vllm" in r else "-"
         finish = " ".join(f"{k}:{v}" for k, v in sorted(r["finish"].items()))
-        print(f"{r['engine']:6} {r['trajectories']:>5} {r['schedule']:5} {r['tokens_per_s']:>11,.0f} "
+        print(f"{r['engine']:6} {r['trajectories']:>5} {r['schedule']:10} {r['tokens_per_s']:>11,.0f} "
               f"{p['tokens_per_s']:>11,.0f} {r['ratio_to_plain']:>6.2f} {hf:>7} {r['wall_s']:>7.1f} "
               f"{r['turns_per_trajectory']:>5.2f} {r['model_tokens_per_turn']:>8.0f} "
               f"{r['searches_valid']:>4}/{r['invalid_actions']:<5} {r['retrieval_busy_s']:>6.1f} "
@@ -315,7 +318,8 @@ def main(argv=None):
                    help="default: both (--quick: both if vllm imports, else hf)")
     p.add_argument("--trajectories", default="256,512,1024", help="vLLM concurrencies, comma-separated")
     p.add_argument("--hf-trajectories", default="64", help="HF concurrencies (vLLM also runs these with both)")
-    p.add_argument("--schedules", default="sync,async", help="agent-loop schedules, comma-separated")
+    p.add_argument("--schedules", default="sync,async,continuous",
+                   help="agent-loop schedules, comma-separated (continuous: vLLM only, skipped for HF)")
     p.add_argument("--max-turns", type=int, default=4, help="searches allowed per trajectory")
     p.add_argument("--response-tokens", type=int, default=900,
                    help="mean model tokens per trajectory, spread over max_turns + 1 turns (sets the tag bias)")

@@ -5,11 +5,16 @@ exactly as generated, loss_mask 1) with observation tokens the environment appen
 passages or a correction, loss_mask 0). A turn ends when the engine stops on `</search>`,
 `</answer>` or EOS; the engine handles the stop, so no token is generated past the tag.
 
-Two schedules give the same trajectories for a deterministic engine:
+The schedules give the same trajectories for a deterministic engine:
 - sync: every turn, all active trajectories generate as one batch, then send one batched
   retrieval request; simple, and the engine sees large batches.
 - async: each trajectory advances on its own (one coroutine each); the retrieval of one overlaps
   the generation of the others, so a slow search never stalls the whole batch.
+- continuous: one loop drives the engine step by step (`VLLMEngine.submit/step`); a trajectory
+  whose turn ends is searched (the searches that end in one step go out as one batched request, in
+  a thread) and its next turn joins the running batch as soon as the passages arrive. Neither the
+  slowest generation of a turn (sync) nor the slowest of a micro-batch (async, whose batched
+  `generate` call returns only when all of it is done) holds the others back.
 
 Where we differ from the original: observations are tokenized on their own and appended as ids
 (the model's text is never decoded and re-tokenized), over-long observations are cut without
@@ -22,6 +27,7 @@ import asyncio
 import logging
 import re
 import time
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Protocol
@@ -48,6 +54,7 @@ class Finish(StrEnum):
 class Schedule(StrEnum):
     SYNC = "sync"
     ASYNC = "async"
+    CONTINUOUS = "continuous"  # needs an engine with submit/step (VLLMEngine)
 
 
 @dataclass
@@ -199,6 +206,11 @@ class SearchAgent:
         trajectories = [Trajectory(list(p)) for p in prompts]
         if self.cfg.schedule == Schedule.ASYNC:
             asyncio.run(self._run_async(trajectories, sampling))
+        elif self.cfg.schedule == Schedule.CONTINUOUS:
+            if not hasattr(self.engine, "submit"):
+                raise ValueError(f"the continuous schedule needs an engine with submit/step (vLLM); "
+                                 f"{type(self.engine).__name__} has none: use schedule 'sync' or 'async'")
+            self._run_continuous(trajectories, sampling)
         else:
             self._run_sync(trajectories, sampling)
         return trajectories
@@ -246,6 +258,54 @@ class SearchAgent:
             t.retrieval_s += dt
             t.retrieval_failed |= h is None
         return {id(t): h for t, h in zip(asking, hits)}
+
+    def _run_continuous(self, trajectories: list[Trajectory], sampling: SamplingConfig):
+        engine, deadline = self.engine, time.monotonic() + self.cfg.timeout_s
+        by_id = {id(t): t for t in trajectories}
+        turns = dict.fromkeys(by_id, 0)
+        searches: list[tuple[Future, list[Trajectory], list[str]]] = []  # in flight, in threads
+
+        def next_turn(t: Trajectory):
+            engine.submit(id(t), t.prompt_ids + t.response_ids, self._sampling(t, sampling), STOP)
+
+        for t in trajectories:
+            next_turn(t)
+        with ThreadPoolExecutor(max_workers=4, thread_name_prefix="search") as pool:
+            while engine.has_unfinished() or searches:
+                if time.monotonic() > deadline:
+                    engine.abort_all()
+                    break
+                asking, queries = [], []
+                for key, gen in (engine.step() if engine.has_unfinished() else []):
+                    t = by_id[key]
+                    query = self._take_turn(t, gen, last_turn=turns[key] == self.cfg.max_turns)
+                    turns[key] += 1
+                    if query:
+                        asking.append(t)
+                        queries.append(query)
+                    elif query == "":  # invalid action: the correction needs no search
+                        self._add_observation(t, query, None)
+                        if not t.done:
+                            next_turn(t)
+                if asking:
+                    searches.append((pool.submit(self._search_sync, queries, asking), asking, queries))
+                if searches and not engine.has_unfinished():  # nothing to decode: wait for passages
+                    wait([f for f, _, _ in searches], timeout=max(0.0, deadline - time.monotonic()),
+                         return_when=FIRST_COMPLETED)
+                pending = []
+                for future, asking_, queries_ in searches:
+                    if not future.done():
+                        pending.append((future, asking_, queries_))
+                        continue
+                    results = future.result()  # _search_sync turns failures into None hits
+                    for t, q in zip(asking_, queries_):
+                        self._add_observation(t, q, results.get(id(t)))
+                        if not t.done:
+                            next_turn(t)
+                searches = pending
+        for t in trajectories:
+            if not t.done:
+                t.finish = Finish.TIMEOUT
 
     async def _run_async(self, trajectories: list[Trajectory], sampling: SamplingConfig):
         async def one(t: Trajectory):

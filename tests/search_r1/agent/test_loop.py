@@ -61,6 +61,21 @@ class ScriptedEngine:
         await asyncio.sleep(0)
         return self._one(prompt, sampling, stop)
 
+    # continuous batching, as VLLMEngine offers it: one request finishes per step, so the turns of
+    # different trajectories interleave
+    def submit(self, key, prompt, sampling, stop):
+        self.queue = getattr(self, "queue", []) + [(key, self._one(prompt, sampling, stop))]
+
+    def step(self):
+        done, self.queue = self.queue[:1], self.queue[1:]
+        return done
+
+    def has_unfinished(self):
+        return bool(getattr(self, "queue", []))
+
+    def abort_all(self):
+        self.queue = []
+
 
 class DictSearcher:
     """A retriever over a dict; can fail or be slow. Stands in for the server in unit tests."""
@@ -197,13 +212,36 @@ def test_slow_retriever_hits_overall_timeout(tokenizer):
     assert time.monotonic() - t0 < 3 and t.finish == Finish.TIMEOUT
 
 
-def test_sync_and_async_agree(tokenizer):
+@pytest.mark.parametrize("schedule", [Schedule.ASYNC, Schedule.CONTINUOUS])
+def test_schedules_agree_with_sync(tokenizer, schedule):
     scripts = {f"P{i}:": [f"<search> q{i} </search>"] * i + ["<answer> a </answer>"] for i in range(4)}
     sync, _ = run(tokenizer, scripts, schedule=Schedule.SYNC)
-    asyn, _ = run(tokenizer, scripts, schedule=Schedule.ASYNC)
-    for a, b in zip(sync, asyn):
+    other, _ = run(tokenizer, scripts, schedule=schedule)
+    for a, b in zip(sync, other):
         assert (a.response_ids, a.loss_mask, a.finish, a.searches) == \
                (b.response_ids, b.loss_mask, b.finish, b.searches)
+
+
+def test_continuous_schedule_batches_the_searches_of_a_step_and_times_out(tokenizer):
+    # ScriptedEngine finishes one request per step, so each search goes out alone here; what
+    # matters is that every query reaches the retriever once and a slow one ends in a timeout.
+    searcher = DictSearcher()
+    scripts = {f"P{i}:": [f"<search> q{i} </search>", "<answer> a </answer>"] for i in range(3)}
+    trajectories, _ = run(tokenizer, scripts, searcher, Schedule.CONTINUOUS)
+    assert sorted(q for batch in searcher.batches for q in batch) == ["q0", "q1", "q2"]
+    assert all(t.finish == Finish.ANSWER and t.searches == 1 for t in trajectories)
+    t0 = time.monotonic()
+    (t,), _ = run(tokenizer, {"Q:": ["<search> x </search>", "<answer> a </answer>"]}, DictSearcher(delay=2.0),
+                  Schedule.CONTINUOUS, timeout_s=0.3)
+    assert t.finish == Finish.TIMEOUT and time.monotonic() - t0 < 3
+
+
+def test_continuous_schedule_needs_a_stepping_engine(tokenizer, tiny_model_dir):
+    from verl.workers.rollout.engines import HFEngine
+
+    agent = SearchAgent(HFEngine(tiny_model_dir), DictSearcher(), AgentConfig(schedule=Schedule.CONTINUOUS))
+    with pytest.raises(ValueError, match="continuous schedule needs an engine with submit/step"):
+        agent.run([tokenizer.encode("Q:")], GREEDY)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -235,14 +273,15 @@ def test_vllm_agent_against_real_retrieval_server(smollm2_dir, dense_server):
         obs = tok.decode([i for i, m in zip(t.response_ids, t.loss_mask) if m == 0])
         assert "<information>Doc 1(Title:" in obs and "</information>" in obs
         assert len(t.response_ids) <= 160
-    for a, b in zip(results[Schedule.SYNC], results[Schedule.ASYNC]):
-        assert a.response_ids == b.response_ids and a.loss_mask == b.loss_mask
+    for schedule in (Schedule.ASYNC, Schedule.CONTINUOUS):
+        for a, b in zip(results[Schedule.SYNC], results[schedule]):
+            assert a.response_ids == b.response_ids and a.loss_mask == b.loss_mask, schedule
 
 
 # ---------------------------------------------------------------------------------------------
 # Sampling settings reach the engine
 
-@pytest.mark.parametrize("schedule", list(Schedule))
+@pytest.mark.parametrize("schedule", [Schedule.SYNC, Schedule.ASYNC])  # HF has no continuous batching
 def test_logit_bias_reaches_the_engine(tiny_model_dir, schedule):
     """A real HF engine on a random model: a large bias on one token makes every model token that
     token, so the loop's per-turn settings (room-limited max_tokens) keep the bias; the trainer's

@@ -217,6 +217,8 @@ class VLLMEngine:
             )
         self.tokenizer = self.llm.get_tokenizer()
         self._batcher = _MicroBatcher(self.generate)
+        self._live: dict[str, int] = {}  # continuous batching: vLLM request id -> caller's key
+        self._request_ids = itertools.count()
 
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig, stop: list[str]) -> list[Generation]:
         from vllm.inputs import TokensPrompt
@@ -231,6 +233,43 @@ class VLLMEngine:
 
     async def generate_one(self, prompt_ids: list[int], sampling: SamplingConfig, stop: list[str]) -> Generation:
         return await self._batcher.submit(prompt_ids, sampling, stop)
+
+    # -- continuous batching: requests join the running batch one at a time ------------------
+    # The offline `LLM.generate` returns only when its slowest request ends; a multi-turn agent
+    # that waits for it leaves the engine half idle at the end of every turn. With `submit` and
+    # `step` a trajectory's next turn enters the batch as soon as its observation is ready.
+
+    def submit(self, key: int, prompt_ids: list[int], sampling: SamplingConfig, stop: list[str]) -> None:
+        """Add one request to the running batch; `step` returns its Generation under `key`."""
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        n = next(self._request_ids)
+        seed = _request_seed(sampling, self.on_cpu)
+        params = _vllm_sampling_params(sampling, stop, None if seed is None else seed + n)
+        params.output_kind = RequestOutputKind.FINAL_ONLY  # only the finished request is needed
+        request_id = f"turn-{n}"
+        # Outputs (and abort_request) carry this id; newer vLLM also returns an internal one we ignore.
+        self.llm.llm_engine.add_request(request_id, TokensPrompt(prompt_token_ids=list(prompt_ids)), params)
+        self._live[request_id] = key
+
+    def step(self) -> list[tuple[int, Generation]]:
+        """One engine step (a decode step of every running request, prefill of new ones); returns
+        (key, Generation) of the requests that finished in it."""
+        done = []
+        for output in self.llm.llm_engine.step():
+            if output.finished:
+                done.append((self._live.pop(output.request_id), _from_vllm_output(output)))
+        return done
+
+    def has_unfinished(self) -> bool:
+        return bool(self._live)
+
+    def abort_all(self) -> None:
+        """Drop every submitted request that has not finished (e.g. on a rollout timeout)."""
+        if self._live:
+            self.llm.llm_engine.abort_request(list(self._live))
+            self._live.clear()
 
     # -- colocated training: free memory while the actor trains, then take its new weights --
 
