@@ -75,10 +75,10 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # the package first, then the t
 import torch  # noqa: E402
 from transformers import StoppingCriteria  # noqa: E402
 
+from bench_grpo_step import SHAPES  # noqa: E402  (the same random-model shapes)
+
 log = logging.getLogger("bench_rollout")
 
-# hidden, layers, heads, kv heads, intermediate (Qwen2.5 shapes, as in bench_grpo_step.py)
-SHAPES = {"tiny": (64, 2, 2, 1, 128), "0.5b": (896, 24, 14, 2, 4864), "3b": (2048, 36, 16, 2, 11008)}
 TAGS = ("<search>", "</search>")
 SAMPLES_PER_QUESTION = 5  # trajectories share a prompt in groups, as GRPO's n does
 

@@ -117,11 +117,6 @@ class PolicyWorker:
 
     def wake_rollout(self):
         if self._asleep:
-            if torch.cuda.is_available():
-                # The update leaves freed blocks cached by PyTorch's allocator; vLLM allocates through
-                # its own (cumem) and cannot reuse them. Without this a 3B actor + reference + 0.4 of
-                # an H200 for vLLM ran out of memory on the second wake.
-                torch.cuda.empty_cache()
             self.engine.wake()
             self._asleep = False
 

@@ -48,6 +48,7 @@ import contextlib
 import datetime
 import functools
 import inspect
+import itertools
 import logging
 import math
 import os
@@ -426,9 +427,10 @@ def _packed_outputs(model, input_ids_BT, attention_mask_BT, prompt_width, max_to
         kwargs = {}
         if attn == VARLEN_ATTN:
             mask = None
-            lengths_b = real_bT.sum(1)
-            kwargs = {"cu_seq_lens_q": torch.nn.functional.pad(lengths_b.cumsum(0), (1, 0)).int(),
-                      "max_length_q": max(lengths[rows.start:rows.stop])}
+            lengths_b = lengths[rows.start:rows.stop]
+            kwargs = {"cu_seq_lens_q": torch.tensor([0, *itertools.accumulate(lengths_b)], dtype=torch.int32,
+                                                    device=ids_L.device),
+                      "max_length_q": max(lengths_b)}
         elif flash:
             mask = None  # transformers derives the row boundaries (cu_seqlens) from position_ids
         else:

@@ -30,6 +30,7 @@ class ScriptedEngine:
         self.scripts = {tuple(tokenizer.encode(k)): list(v) for k, v in scripts.items()}
         self.calls: dict[tuple, int] = {}
         self.generated: dict[tuple, list[list[int]]] = {}
+        self.queue: list[tuple] = []  # submitted, not yet returned by step()
 
     def _one(self, prompt, sampling, stop):
         key = next(k for k in self.scripts if tuple(prompt[:len(k)]) == k)
@@ -64,14 +65,14 @@ class ScriptedEngine:
     # continuous batching, as VLLMEngine offers it: one request finishes per step, so the turns of
     # different trajectories interleave
     def submit(self, key, prompt, sampling, stop):
-        self.queue = getattr(self, "queue", []) + [(key, self._one(prompt, sampling, stop))]
+        self.queue.append((key, self._one(prompt, sampling, stop)))
 
     def step(self):
         done, self.queue = self.queue[:1], self.queue[1:]
         return done
 
     def has_unfinished(self):
-        return bool(getattr(self, "queue", []))
+        return bool(self.queue)
 
     def abort_all(self):
         self.queue = []
