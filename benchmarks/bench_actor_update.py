@@ -4,23 +4,27 @@ Builds a random-weight model of a Qwen2.5 shape (Qwen2 architecture, 151,936-tok
 embeddings), a batch of search-agent-like trajectories (prompts of 150–350 tokens, responses of
 600–1,200 tokens of which two or three retrieved spans are masked out of the loss), and times
 `verl.workers.actor.Actor`: the old-log-prob pass (no grad) and `update` (forward + backward with
-activation checkpointing, padding-free packing, AdamW step), for each attention implementation
-asked for. On several GPUs the script starts itself under torchrun (one FSDP2 shard per GPU).
+activation checkpointing, padding-free packing, AdamW step), for each attention implementation and
+each fraction of checkpointed decoder layers asked for. On several GPUs the script starts itself
+under torchrun (one FSDP2 shard per GPU).
 
 Model FLOPs per token (the usual MFU convention: no recomputation counted):
     6 · (parameters of the decoder layers) + 6 · hidden · vocab (lm_head, response positions only)
     + attention 6 · layers · hidden · Σ_rows L² / T (causal: half of 12·layers·hidden·L²)
-The log-prob pass counts a third of that (forward only). HFU adds the recomputed forward of
-activation checkpointing. Peak: the dense bf16 tensor peak of the GPU (989.4 TFLOP/s on H100/H200
-SXM), or `--peak-tflops`.
+The log-prob pass counts a third of that (forward only). HFU adds the forward that activation
+checkpointing recomputes: the decoder layers' matmuls and attention, × the fraction of layers
+checkpointed (the lm_head is not recomputed). Peak: the dense bf16 tensor peak of the GPU
+(989.4 TFLOP/s on H100/H200 SXM), or `--peak-tflops`.
 
     python benchmarks/bench_actor_update.py --shape 3b --trajectories 64 --micro 4            # one GPU
     python benchmarks/bench_actor_update.py --shape 3b --trajectories 64 --micro 4 --gpus 2   # FSDP2 on 2
+    python benchmarks/bench_actor_update.py --shape 3b --attn varlen --checkpoint-ratios 1,0.5,0  # all, half, none
     python benchmarks/bench_actor_update.py --quick                                           # CPU (CI)
 """
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import subprocess
@@ -78,8 +82,9 @@ def make_batch(n: int, vocab: int, seed: int):
     return batch
 
 
-def model_flops_per_update(shape: str, batch, world: int) -> tuple[float, float]:
-    """(model FLOPs of one forward+backward over the whole batch on all ranks, recomputed forward FLOPs)."""
+def model_flops_per_update(shape: str, batch, world: int, checkpoint_ratio: float = 1.0) -> tuple[float, float]:
+    """(model FLOPs of one forward+backward over the whole batch on all ranks, recomputed forward FLOPs:
+    the decoder-layer forward of the round(checkpoint_ratio × layers) checkpointed layers)."""
     hidden, layers, heads, kv, inter, vocab = SHAPES[shape]
     head = hidden // heads
     layer_params = hidden * (heads * head) * 2 + hidden * (kv * head) * 2 + 3 * hidden * inter
@@ -87,8 +92,9 @@ def model_flops_per_update(shape: str, batch, world: int) -> tuple[float, float]
     tokens = float(lengths.sum()) * world
     response_tokens = float(batch.response_mask_BR.sum()) * world
     attn_pairs = float((lengths ** 2).sum()) * world  # causal: L²/2 pairs per row, 4·head·heads FLOPs each
-    fwd = 2 * layers * layer_params * tokens + 2 * hidden * vocab * response_tokens + 2 * layers * hidden * attn_pairs
-    return 3 * fwd, fwd
+    layers_fwd = 2 * layers * layer_params * tokens + 2 * layers * hidden * attn_pairs
+    fwd = layers_fwd + 2 * hidden * vocab * response_tokens
+    return 3 * fwd, layers_fwd * round(checkpoint_ratio * layers) / layers  # as fsdp._enable_gradient_checkpointing
 
 
 def peak_flops(override: float | None) -> float | None:
@@ -98,6 +104,23 @@ def peak_flops(override: float | None) -> float | None:
         return None
     name = torch.cuda.get_device_name()
     return next((v * 1e12 for k, v in PEAK_TFLOPS.items() if k in name), None)
+
+
+def profile_update(actor, batch, mini_batch_size: int, path: str, title: str) -> None:
+    """One more update under torch.profiler; appends the operators that took the most device (or,
+    on the CPU, host) time to `path`."""
+    from torch.profiler import ProfilerActivity, profile
+
+    gpu = torch.cuda.is_available()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
+    with profile(activities=activities) as prof:
+        actor.update(batch, mini_batch_size=mini_batch_size, entropy_coef=0.0)
+        if gpu:
+            torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="self_cuda_time_total" if gpu else "self_cpu_time_total",
+                                      row_limit=30, max_name_column_width=70)
+    with open(path, "a") as f:
+        f.write(f"\n=== {title} ===\n{table}\n")
 
 
 def run(a) -> list[dict]:
@@ -120,19 +143,19 @@ def run(a) -> list[dict]:
         raise SystemExit(f"--trajectories {a.trajectories} must be divisible by the {world} GPUs")
     n_local = a.trajectories // world
     batch = make_batch(a.trajectories, SHAPES[a.shape][5], seed=0).select(slice(rank * n_local, (rank + 1) * n_local))
-    flops, recompute = model_flops_per_update(a.shape, batch, world)
-    fwd_flops = flops / 3
     tokens = float(batch.attention_mask_BT.sum()) * world
     peak = peak_flops(a.peak_tflops)
     gpu = torch.cuda.is_available()
     rows = []
-    for variant in a.attn.split(","):
+    for variant, ratio in itertools.product(a.attn.split(","), a.ratios):
         attn, _, compiled = variant.partition("+")  # e.g. "varlen+compile"
+        flops, recompute = model_flops_per_update(a.shape, batch, world, ratio)
+        fwd_flops = flops / 3
         if gpu:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
         actor = Actor(str(model_dir), lr=1e-6, micro_batch_size=a.micro, max_tokens_per_pack=a.max_tokens_per_pack,
-                      gradient_checkpointing=not a.no_checkpointing, mixed_precision=gpu,
+                      gradient_checkpointing=ratio, mixed_precision=gpu,
                       attn_implementation=attn, use_torch_compile=compiled == "compile")
         times_lp, times_up = [], []
         for i in range(a.warmup + a.steps):
@@ -151,6 +174,10 @@ def run(a) -> list[dict]:
                 times_lp.append(t1 - t0)
                 times_up.append(t2 - t1)
         mem = torch.cuda.max_memory_allocated() / 2**30 if gpu else None
+        if a.profile and rank == 0:
+            profile_update(actor, batch, n_local, a.profile, f"{a.shape} {variant} checkpoint ratio {ratio:g}")
+        elif a.profile:
+            actor.update(batch, mini_batch_size=n_local, entropy_coef=0.0)  # every rank takes part
         if distributed:
             mem_t = torch.tensor([mem or 0.0], device="cuda" if gpu else "cpu")
             dist.all_reduce(mem_t, op=dist.ReduceOp.MAX)
@@ -159,7 +186,7 @@ def run(a) -> list[dict]:
         row = {"bench": "actor_update", "shape": a.shape, "attn": variant,
                "gpus": world, "device": torch.cuda.get_device_name() if gpu else "cpu",
                "trajectories": a.trajectories, "micro_batch": a.micro, "tokens_per_update": int(tokens),
-               "checkpointing": not a.no_checkpointing,
+               "checkpointing": ratio > 0, "checkpoint_ratio": ratio,
                "update_s": round(up, 3), "update_s_all": [round(t, 3) for t in times_up],
                "update_tokens_per_s": round(tokens / up), "update_tokens_per_s_per_gpu": round(tokens / up / world),
                "logprob_s": round(lp, 3), "logprob_tokens_per_s": round(tokens / lp),
@@ -189,12 +216,18 @@ def main(argv=None):
     p.add_argument("--gpus", type=int, default=1)
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--no-checkpointing", action="store_true")
+    p.add_argument("--no-checkpointing", action="store_true", help="same as --checkpoint-ratios 0")
+    p.add_argument("--checkpoint-ratios", default="1.0",
+                   help="comma-separated fractions of decoder layers checkpointed (recomputed in backward), each timed")
     p.add_argument("--peak-tflops", type=float, help="dense bf16 peak of one GPU (default: from its name)")
     p.add_argument("--workdir", default="outputs/bench_actor")
     p.add_argument("--quick", action="store_true", help="tiny model on the CPU (CI)")
     p.add_argument("--out", help="append JSON rows to this file")
+    p.add_argument("--profile", help="after timing, profile one more update and append its busiest operators here")
     a = p.parse_args(argv)
+    a.ratios = [0.0] if a.no_checkpointing else [float(r) for r in a.checkpoint_ratios.split(",")]
+    if not all(0 <= r <= 1 for r in a.ratios):
+        p.error(f"--checkpoint-ratios {a.checkpoint_ratios}: each must be in [0, 1]")
     if a.quick:
         a.shape, a.trajectories, a.micro, a.gpus, a.steps, a.warmup = "tiny", 4, 2, 1, 1, 0
     if a.gpus > 1 and "RANK" not in os.environ:
@@ -209,7 +242,8 @@ def main(argv=None):
                 f.write(json.dumps(row) + "\n")
     for row in rows:
         mfu = f"  MFU {row['update_mfu']:.1%} (HFU {row['update_hfu']:.1%})" if "update_mfu" in row else ""
-        print(f"{row['shape']} {row['attn']:>14} ×{row['gpus']}: update {row['update_s']:.2f} s "
+        print(f"{row['shape']} {row['attn']:>14} ckpt {row['checkpoint_ratio']:g} ×{row['gpus']}: "
+              f"update {row['update_s']:.2f} s "
               f"= {row['update_tokens_per_s']:,} tokens/s{mfu}; log-probs {row['logprob_tokens_per_s']:,} tokens/s; "
               f"peak {row['peak_memory_gib']} GiB")
 

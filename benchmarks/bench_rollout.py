@@ -7,6 +7,9 @@ nothing: it drops hits that share no term with the query). Then ONE plain engine
 every trajectory, exactly as many tokens as the model wrote in it (loss_mask 1; observations
 excluded), from the same prompt, with the same sampling settings but no stop strings and EOS ignored.
 ratio = agent tokens/s ÷ plain tokens/s; the goal is ≥ 0.9 (tool calls must not stall the engine).
+A second plain call puts each trajectory's observation tokens at the end of its prompt
+(`ratio_to_plain_with_obs`): it prefills them too and decodes over contexts as long as the agent's
+final ones, which bounds from the other side what the observations themselves cost.
 The HF fallback runs the same loop at a smaller concurrency, and its tokens/s are compared with
 vLLM's at that concurrency.
 
@@ -60,9 +63,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import cProfile
 import json
 import logging
 import math
+import pstats
 import sys
 import time
 from collections import Counter
@@ -185,16 +191,64 @@ class TimedSearcher:
         return total
 
 
-def run_agent(engine, searcher: TimedSearcher, prompts, cfg, sampling) -> tuple[dict, list[int]]:
-    """One rollout; returns its statistics and the model tokens of every trajectory."""
+class StepTimer:
+    """Times vLLM's engine steps during a rollout and counts the prompt tokens its prefix cache
+    served: the wall time outside the steps is the agent loop's own (Python) time, during which the
+    in-process engine is idle."""
+
+    def __init__(self, engine):
+        self.llm_engine = getattr(getattr(engine, "llm", None), "llm_engine", None)
+        self.steps, self.step_s, self.prompt_tokens, self.cached_tokens = 0, 0.0, 0, 0
+
+    def __enter__(self):
+        if self.llm_engine is not None:
+            inner = self.llm_engine.step
+
+            def step():
+                t0 = time.perf_counter()
+                outputs = inner()
+                self.step_s += time.perf_counter() - t0
+                self.steps += 1
+                for o in outputs:
+                    if o.finished:
+                        self.prompt_tokens += len(o.prompt_token_ids or ())
+                        self.cached_tokens += o.num_cached_tokens or 0
+                return outputs
+
+            self.llm_engine.step = step
+        return self
+
+    def __exit__(self, *exc):
+        if self.llm_engine is not None:
+            del self.llm_engine.step  # the instance attribute: the class's method shows again
+
+    def stats(self, wall_s: float) -> dict:
+        if self.llm_engine is None:
+            return {}
+        return {"engine_steps": self.steps, "engine_step_s": round(self.step_s, 3),
+                "outside_steps_s": round(wall_s - self.step_s, 3),
+                "prefix_cached_frac": round(self.cached_tokens / max(1, self.prompt_tokens), 3)}
+
+
+def run_agent(engine, searcher: TimedSearcher, prompts, cfg, sampling, profile: str | None = None
+              ) -> tuple[dict, list[int], list[list[int]]]:
+    """One rollout; returns its statistics, the number of model tokens of every trajectory and its
+    observation tokens. With `profile`,
+    appends the rollout's cProfile (main thread; the busiest functions) to that file."""
     from search_r1.agent.loop import SearchAgent
 
     searcher.intervals.clear()
     searcher.empty = 0
     t0 = time.perf_counter()
-    trajectories = SearchAgent(engine, searcher, cfg).run(prompts, sampling)
+    with StepTimer(engine) as timer, (cProfile.Profile() if profile else contextlib.nullcontext()) as prof:
+        trajectories = SearchAgent(engine, searcher, cfg).run(prompts, sampling)
     wall_s = time.perf_counter() - t0
+    if profile:
+        with open(profile, "a") as f:
+            f.write(f"\n=== {len(prompts)} trajectories, {cfg.schedule} schedule, {wall_s:.1f} s (profiled) ===\n")
+            pstats.Stats(prof, stream=f).sort_stats("tottime").print_stats(40)
     model_tokens_B = [sum(t.loss_mask) for t in trajectories]
+    obs_ids_B = [[i for i, m in zip(t.response_ids, t.loss_mask) if not m] for t in trajectories]
     n, turns = len(trajectories), sum(t.turns for t in trajectories)
     return {
         "wall_s": round(wall_s, 3),
@@ -211,23 +265,27 @@ def run_agent(engine, searcher: TimedSearcher, prompts, cfg, sampling) -> tuple[
         "retrieval_calls": len(searcher.intervals),
         "searches_without_passages": searcher.empty,
         "retrieval_failed": sum(t.retrieval_failed for t in trajectories),
-    }, model_tokens_B
+        **timer.stats(wall_s),
+    }, model_tokens_B, obs_ids_B
 
 
-def plain_vllm(engine, prompts, n_tokens_B: list[int], sampling) -> float:
-    """One `LLM.generate` call: exactly n_tokens_B[i] new tokens for prompt i. Returns seconds."""
+def plain_vllm(engine, prompts, n_tokens_B: list[int], sampling) -> tuple[float, dict]:
+    """One `LLM.generate` call: exactly n_tokens_B[i] new tokens for prompt i. Returns seconds and
+    the number of engine steps."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     params = [SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p, max_tokens=n,
                              ignore_eos=True, logit_bias=sampling.logit_bias) for n in n_tokens_B]
     t0 = time.perf_counter()
-    outputs = engine.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False)
+    with StepTimer(engine) as timer:
+        outputs = engine.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params,
+                                      use_tqdm=False)
     wall_s = time.perf_counter() - t0
     got = [len(o.outputs[0].token_ids) for o in outputs]
     if got != n_tokens_B:
         raise RuntimeError(f"plain vLLM run generated {sum(got)} tokens instead of {sum(n_tokens_B)}")
-    return wall_s
+    return wall_s, {"engine_steps": timer.steps}
 
 
 class _StopAtLengths(StoppingCriteria):
@@ -241,9 +299,9 @@ class _StopAtLengths(StoppingCriteria):
 
 
 @torch.no_grad()
-def plain_hf(engine, prompts, n_tokens_B: list[int], sampling) -> float:
+def plain_hf(engine, prompts, n_tokens_B: list[int], sampling) -> tuple[float, dict]:
     """`generate` in the engine's batches, as HFEngine runs them: row i stops after n_tokens_B[i] new
-    tokens, EOS ignored; a batch runs until its longest row is done. Returns seconds."""
+    tokens, EOS ignored; a batch runs until its longest row is done. Returns seconds (and no stats)."""
     from transformers import GenerationConfig, StoppingCriteriaList
 
     bias = [[[token], b] for token, b in sampling.logit_bias.items()] if sampling.logit_bias else None
@@ -266,45 +324,62 @@ def plain_hf(engine, prompts, n_tokens_B: list[int], sampling) -> float:
                                                                                      prompt_len)]))
     if engine.device.startswith("cuda"):
         torch.cuda.synchronize()
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, {}
 
 
 def measure(engine_name: str, engine, plain, searcher, prompts_all, concurrencies, schedules, cfg, sampling,
-            common: dict, emit) -> None:
+            common: dict, emit, profile: str | None = None, admit_every: list[int] = (8,)) -> None:
     from search_r1.agent.loop import Schedule
 
     for n in concurrencies:
         prompts = prompts_all[:n]
-        for schedule in schedules:
+        runs = [(s, k) for s in schedules for k in (admit_every if s == "continuous" else [None])]
+        for schedule, admit in runs:
             if schedule == "continuous" and not hasattr(engine, "submit"):
                 continue  # the HF engine has no continuous batching
-            log.info("%s: %d trajectories, %s schedule", engine_name, n, schedule)
-            cfg_s = replace(cfg, schedule=Schedule(schedule))
-            agent, n_tokens_B = run_agent(engine, searcher, prompts, cfg_s, sampling)
+            log.info("%s: %d trajectories, %s schedule%s", engine_name, n, schedule,
+                     f", admitting every {admit} steps" if admit else "")
+            cfg_s = replace(cfg, schedule=Schedule(schedule), admit_every_steps=admit or cfg.admit_every_steps)
+            extra = {"admit_every_steps": admit} if admit else {}
+            agent, n_tokens_B, obs_ids_B = run_agent(engine, searcher, prompts, cfg_s, sampling, profile)
             log.info("%s: plain generation of the same %d tokens", engine_name, sum(n_tokens_B))
-            plain_s = plain(engine, prompts, n_tokens_B, sampling)
-            plain_row = {**common, "engine": engine_name, "trajectories": n, "schedule": schedule, "mode": "plain",
-                         "wall_s": round(plain_s, 3), "model_tokens": sum(n_tokens_B),
-                         "tokens_per_s": round(sum(n_tokens_B) / plain_s, 1), "prompt_tokens": agent["prompt_tokens"]}
-            emit({**common, "engine": engine_name, "trajectories": n, "schedule": schedule, "mode": "agent", **agent,
-                  "ratio_to_plain": round(agent["tokens_per_s"] / plain_row["tokens_per_s"], 3)})
+            plain_s, plain_stats = plain(engine, prompts, n_tokens_B, sampling)
+            # The same, with each trajectory's observations appended to its prompt: the plain run
+            # then also prefills them and decodes over contexts as long as the agent's last turn.
+            log.info("%s: plain generation with the observations in the prompts", engine_name)
+            obs_s, obs_stats = plain(engine, [p + o for p, o in zip(prompts, obs_ids_B)], n_tokens_B, sampling)
+            run = {**common, "engine": engine_name, "trajectories": n, "schedule": schedule, **extra}
+            plain_row = {**run, "mode": "plain", "wall_s": round(plain_s, 3), "model_tokens": sum(n_tokens_B),
+                         "tokens_per_s": round(sum(n_tokens_B) / plain_s, 1), "prompt_tokens": agent["prompt_tokens"],
+                         **plain_stats}
+            emit({**run, "mode": "agent", **agent,
+                  "ratio_to_plain": round(agent["tokens_per_s"] / plain_row["tokens_per_s"], 3),
+                  "ratio_to_plain_with_obs": round(obs_s / agent["wall_s"], 3)})
             emit(plain_row)
+            emit({**run, "mode": "plain_with_obs", "wall_s": round(obs_s, 3), "model_tokens": sum(n_tokens_B),
+                  "tokens_per_s": round(sum(n_tokens_B) / obs_s, 1),
+                  "prompt_tokens": agent["prompt_tokens"] + agent["observation_tokens"], **obs_stats})
 
 
 def print_table(rows: list[dict]) -> None:
-    plain = {(r["engine"], r["trajectories"], r["schedule"]): r for r in rows if r["mode"] == "plain"}
+    def key(r):
+        return r["engine"], r["trajectories"], r["schedule"], r.get("admit_every_steps")
+
+    plain = {key(r): r for r in rows if r["mode"] == "plain"}
     head = (f"{'engine':6} {'traj':>5} {'sched':10} {'agent tok/s':>11} {'plain tok/s':>11} {'ratio':>6} "
-            f"{'hf/vllm':>7} {'wall s':>7} {'turns':>5} {'tok/turn':>8} {'valid/inv':>10} {'retr s':>6} "
+            f"{'r/+obs':>6} {'hf/vllm':>7} {'wall s':>7} {'turns':>5} {'tok/turn':>8} {'valid/inv':>10} {'retr s':>6} "
             f"{'prompt+obs tok':>15}  finish")
     print("\n" + head + "\n" + "-" * len(head))
     for r in rows:
         if r["mode"] != "agent":
             continue
-        p = plain[(r["engine"], r["trajectories"], r["schedule"])]
+        p = plain[key(r)]
+        sched = r["schedule"] + (f"/{r['admit_every_steps']}" if r.get("admit_every_steps") else "")
         hf = f"{r['hf_over_vllm']:.2f}" if "hf_over_vllm" in r else "-"
         finish = " ".join(f"{k}:{v}" for k, v in sorted(r["finish"].items()))
-        print(f"{r['engine']:6} {r['trajectories']:>5} {r['schedule']:10} {r['tokens_per_s']:>11,.0f} "
-              f"{p['tokens_per_s']:>11,.0f} {r['ratio_to_plain']:>6.2f} {hf:>7} {r['wall_s']:>7.1f} "
+        print(f"{r['engine']:6} {r['trajectories']:>5} {sched:10} {r['tokens_per_s']:>11,.0f} "
+              f"{p['tokens_per_s']:>11,.0f} {r['ratio_to_plain']:>6.2f} {r['ratio_to_plain_with_obs']:>6.2f} "
+              f"{hf:>7} {r['wall_s']:>7.1f} "
               f"{r['turns_per_trajectory']:>5.2f} {r['model_tokens_per_turn']:>8.0f} "
               f"{r['searches_valid']:>4}/{r['invalid_actions']:<5} {r['retrieval_busy_s']:>6.1f} "
               f"{r['prompt_tokens']:>7}+{r['observation_tokens']:<7}  {finish}")
@@ -333,6 +408,10 @@ def main(argv=None):
     p.add_argument("--workdir", default="outputs/bench_rollout")
     p.add_argument("--quick", action="store_true", help="CPU, tiny shape and sizes (CI)")
     p.add_argument("--out", help="append one JSON row per measurement to this file")
+    p.add_argument("--admit-every-steps", default="8",
+                   help="continuous schedule: comma-separated values of AgentConfig.admit_every_steps, each timed")
+    p.add_argument("--profile", help="append a cProfile summary of every agent rollout to this file "
+                                     "(slows the loop's Python: rows measured so are for diagnosis only)")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     if a.quick:
@@ -421,7 +500,8 @@ def main(argv=None):
             common["tag_bias"] = {tag: round(logit_bias[t], 3) for tag, t in zip(TAGS, tag_ids)}
             log.info("tag logit bias %s", common["tag_bias"])
             sampling = SamplingConfig(temperature=1.0, top_p=1.0, max_tokens=cap, logit_bias=logit_bias)
-            measure(name, engine, plain, searcher, prompts_all, concurrencies, schedules, cfg, sampling, common, emit)
+            measure(name, engine, plain, searcher, prompts_all, concurrencies, schedules, cfg, sampling, common, emit,
+                    a.profile, [int(k) for k in a.admit_every_steps.split(",")])
     finally:
         server.stop()
     print_table(rows)

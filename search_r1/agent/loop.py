@@ -12,7 +12,8 @@ The schedules give the same trajectories for a deterministic engine:
   the generation of the others, so a slow search never stalls the whole batch.
 - continuous: one loop drives the engine step by step (`VLLMEngine.submit/step`); a trajectory
   whose turn ends is searched (the searches that end in one step go out as one batched request, in
-  a thread) and its next turn joins the running batch as soon as the passages arrive. Neither the
+  a thread) and its next turn joins the running batch once the passages arrive (the turns ready
+  by then join together, every `admit_every_steps` engine steps). Neither the
   slowest generation of a turn (sync) nor the slowest of a micro-batch (async, whose batched
   `generate` call returns only when all of it is done) holds the others back.
 
@@ -68,6 +69,10 @@ class AgentConfig:
     max_query_chars: int = 1024
     schedule: Schedule = Schedule.SYNC
     timeout_s: float = 1800.0         # for the whole rollout
+    # continuous: turns ready to go on join the running batch together, every this many engine
+    # steps. A step that carries a prefill is slower than a decode-only step (vLLM replays a whole
+    # CUDA graph only for the latter): admitting one turn per step made every step such a step.
+    admit_every_steps: int = 8
 
 
 @dataclass
@@ -264,18 +269,26 @@ class SearchAgent:
         by_id = {id(t): t for t in trajectories}
         turns = dict.fromkeys(by_id, 0)
         searches: list[tuple[Future, list[Trajectory], list[str]]] = []  # in flight, in threads
+        ready: list[Trajectory] = list(trajectories)  # next turns waiting to be admitted
+        steps_since_admit = 0
 
-        def next_turn(t: Trajectory):
-            engine.submit(id(t), t.prompt_ids + t.response_ids, self._sampling(t, sampling), STOP)
+        def admit():
+            nonlocal steps_since_admit
+            for t in ready:
+                engine.submit(id(t), t.prompt_ids + t.response_ids, self._sampling(t, sampling), STOP)
+            ready.clear()
+            steps_since_admit = 0
 
-        for t in trajectories:
-            next_turn(t)
+        admit()
         with ThreadPoolExecutor(max_workers=4, thread_name_prefix="search") as pool:
-            while engine.has_unfinished() or searches:
+            while engine.has_unfinished() or searches or ready:
+                if ready and (steps_since_admit >= self.cfg.admit_every_steps or not engine.has_unfinished()):
+                    admit()
                 if time.monotonic() > deadline:
                     engine.abort_all()
                     break
                 asking, queries = [], []
+                steps_since_admit += 1
                 for key, gen in (engine.step() if engine.has_unfinished() else []):
                     t = by_id[key]
                     query = self._take_turn(t, gen, last_turn=turns[key] == self.cfg.max_turns)
@@ -286,10 +299,10 @@ class SearchAgent:
                     elif query == "":  # invalid action: the correction needs no search
                         self._add_observation(t, query, None)
                         if not t.done:
-                            next_turn(t)
+                            ready.append(t)
                 if asking:
                     searches.append((pool.submit(self._search_sync, queries, asking), asking, queries))
-                if searches and not engine.has_unfinished():  # nothing to decode: wait for passages
+                if searches and not engine.has_unfinished() and not ready:  # nothing to do: wait for passages
                     wait([f for f, _, _ in searches], timeout=max(0.0, deadline - time.monotonic()),
                          return_when=FIRST_COMPLETED)
                 pending = []
@@ -301,7 +314,7 @@ class SearchAgent:
                     for t, q in zip(asking_, queries_):
                         self._add_observation(t, q, results.get(id(t)))
                         if not t.done:
-                            next_turn(t)
+                            ready.append(t)
                 searches = pending
         for t in trajectories:
             if not t.done:

@@ -90,7 +90,8 @@ class PolicyWorker:
             path, lr=a.optim.lr, weight_decay=a.optim.weight_decay, betas=tuple(a.optim.betas),
             warmup_steps=_warmup_steps(a.optim, self.total_steps), total_steps=self.total_steps,
             lr_schedule=a.optim.lr_schedule, min_lr_ratio=a.optim.min_lr_ratio, grad_clip=a.grad_clip,
-            gradient_checkpointing=arr.model.enable_gradient_checkpointing,
+            gradient_checkpointing=(arr.model.gradient_checkpointing_ratio
+                                    if arr.model.enable_gradient_checkpointing else 0.0),
             param_offload=a.fsdp_config.param_offload, optimizer_offload=a.fsdp_config.optimizer_offload,
             mixed_precision=a.fsdp_config.mixed_precision and self.device == "cuda",
             micro_batch_size=self.sizes.micro_batch_trajectories_per_worker,
@@ -191,7 +192,8 @@ class CriticWorker:
             warmup_steps=_warmup_steps(c.optim, self.total_steps), total_steps=self.total_steps,
             lr_schedule=c.optim.lr_schedule, min_lr_ratio=c.optim.min_lr_ratio,
             grad_clip=self.cfg.actor_rollout_ref.actor.grad_clip,
-            gradient_checkpointing=c.model.enable_gradient_checkpointing,
+            gradient_checkpointing=(c.model.gradient_checkpointing_ratio
+                                    if c.model.enable_gradient_checkpointing else 0.0),
             param_offload=c.model.fsdp_config.param_offload,
             optimizer_offload=c.model.fsdp_config.optimizer_offload,
             mixed_precision=c.model.fsdp_config.mixed_precision and self.device == "cuda",

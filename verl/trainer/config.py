@@ -1,7 +1,8 @@
 """Typed trainer configuration: configs/ppo_trainer.yaml checked against these dataclasses.
 
-Unknown keys and wrong types fail at load time (OmegaConf structured merge); batch sizes are
-checked against each other once, in `derive_sizes`, with errors that name the keys to change.
+Unknown keys and wrong types fail at load time (OmegaConf structured merge), and so do values out
+of range (`_check_ranges`); batch sizes are checked against each other once, in `derive_sizes`, with
+errors that name the keys to change.
 """
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ class DataConfig:
 class ModelConfig:
     path: str = MISSING
     enable_gradient_checkpointing: bool = True
+    gradient_checkpointing_ratio: float = 1.0  # of the decoder layers, when enable_gradient_checkpointing
     use_remove_padding: bool = True
     attn_implementation: str | None = None  # None: flash-attn-2 > torch varlen (CUDA, bf16) > sdpa
     use_torch_compile: bool = False         # torch.compile each decoder layer (actor and reference)
@@ -111,6 +113,7 @@ class ActorRolloutRefConfig:
 class CriticModelConfig:
     path: str | None = None
     enable_gradient_checkpointing: bool = True
+    gradient_checkpointing_ratio: float = 1.0  # of the decoder layers, when enable_gradient_checkpointing
     fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
 
 
@@ -191,9 +194,20 @@ def load_config(raw) -> TrainerConfig:
     """Check a Hydra/OmegaConf config against the schema and return typed objects."""
     try:
         merged = OmegaConf.merge(OmegaConf.structured(TrainerConfig), raw)
-        return OmegaConf.to_object(merged)
+        cfg = OmegaConf.to_object(merged)
     except Exception as e:  # OmegaConf names the key and the expected type
         raise ConfigError(f"invalid trainer config: {e}") from None
+    _check_ranges(cfg)
+    return cfg
+
+
+def _check_ranges(cfg: TrainerConfig) -> None:
+    for key, ratio in (("actor_rollout_ref.model.gradient_checkpointing_ratio",
+                        cfg.actor_rollout_ref.model.gradient_checkpointing_ratio),
+                       ("critic.model.gradient_checkpointing_ratio", cfg.critic.model.gradient_checkpointing_ratio)):
+        if not 0.0 <= ratio <= 1.0:
+            raise ConfigError(f"{key} = {ratio}: use the fraction of decoder layers recomputed in backward, "
+                              f"in [0, 1] (1.0: all; 0 or enable_gradient_checkpointing=false: none)")
 
 
 @dataclass

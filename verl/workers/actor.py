@@ -83,13 +83,14 @@ class Actor:
     def __init__(self, model_path: str, *, lr: float = 1e-6, weight_decay: float = 0.01,
                  betas: tuple[float, float] = (0.9, 0.999), warmup_steps: int = 0, total_steps: int | None = None,
                  lr_schedule: str = "constant", min_lr_ratio: float = 0.0, grad_clip: float | None = 1.0,
-                 gradient_checkpointing: bool = True, param_offload: bool = False, optimizer_offload: bool = False,
+                 gradient_checkpointing: float = 1.0, param_offload: bool = False, optimizer_offload: bool = False,
                  mixed_precision: bool = True, micro_batch_size: int = 4, max_tokens_per_pack: int = 16384,
                  temperature: float = 1.0, seed: int = 0, attn_implementation: str | None = None,
                  use_torch_compile: bool = False):
         self.device = compute_device()
         self.sharded = dist.is_initialized()
         # attn_implementation: None picks the fastest available (see fsdp.pick_attn_implementation)
+        # gradient_checkpointing: fraction of decoder layers recomputed in backward (True = 1.0, False = 0.0)
         self.model = _load_policy_model(model_path, gradient_checkpointing, param_offload, mixed_precision, self.device,
                                         attn_implementation, use_torch_compile)
         self.optimizer = build_optimizer(self.model, lr, weight_decay, betas)

@@ -34,11 +34,12 @@ class Critic:
     def __init__(self, model_path: str, *, lr: float = 1e-5, weight_decay: float = 0.01,
                  betas: tuple[float, float] = (0.9, 0.999), warmup_steps: int = 0, total_steps: int | None = None,
                  lr_schedule: str = "constant", min_lr_ratio: float = 0.0, grad_clip: float | None = 1.0,
-                 gradient_checkpointing: bool = True, param_offload: bool = False, optimizer_offload: bool = False,
+                 gradient_checkpointing: float = 1.0, param_offload: bool = False, optimizer_offload: bool = False,
                  mixed_precision: bool = True, micro_batch_size: int = 4, max_tokens_per_pack: int = 16384,
                  seed: int = 0):
         self.device = compute_device()
         self.sharded = dist.is_initialized()
+        # gradient_checkpointing: fraction of decoder layers recomputed in backward (True = 1.0, False = 0.0)
         model = build_value_model(model_path, torch.float32, gradient_checkpointing,
                                   attn_implementation=pick_attn_implementation(mixed_precision))
         if self.sharded:

@@ -2,7 +2,7 @@
 
 - `init_distributed`: one process group per worker process (NCCL on GPUs, gloo on CPU).
 - `build_causal_lm` / `build_value_model`: fp32 master weights, dropout off, optional gradient
-  checkpointing.
+  checkpointing (of every decoder layer, or of an evenly spread fraction of them).
 - `shard`: FSDP2 (`fully_shard`) on every decoder layer, then on the root; `compile_layers`:
   torch.compile of each decoder layer's forward (optional).
 - `varlen_attention` / `pick_attn_implementation`: the attention used for packed rows (below).
@@ -218,25 +218,48 @@ def _disable_dropout(model: nn.Module) -> None:
             module.attention_dropout = 0.0
 
 
-def _enable_gradient_checkpointing(model) -> None:
+def _enable_gradient_checkpointing(model, ratio: float = 1.0) -> None:
+    """Checkpoint round(ratio × layers) decoder layers, spread evenly over the depth (0.5: every other
+    layer). The others keep their activations for backward: less recompute, more memory."""
+    if not 0.0 <= ratio <= 1.0:
+        raise ValueError(f"gradient checkpointing ratio {ratio}: use the fraction of decoder layers to "
+                         f"checkpoint, in [0, 1]")
+    if ratio == 0:
+        return
+    layers, n_checkpointed = [], 0  # ratio 1: all layers, as transformers does it, no layer lookup
+    if ratio < 1:
+        layers = _decoder_layers(model)
+        n_checkpointed = round(ratio * len(layers))
+        if n_checkpointed == 0:
+            return
+        if n_checkpointed < len(layers) and not all(hasattr(layer, "gradient_checkpointing") for layer in layers):
+            raise ValueError(
+                f"gradient checkpointing ratio {ratio}: the decoder layers of {type(model).__name__} have no "
+                f"per-layer `gradient_checkpointing` flag (transformers' GradientCheckpointingLayer), so only "
+                f"all of them can be checkpointed: use a ratio of 1 or 0")
     # Non-reentrant checkpointing: the reentrant variant does not work with FSDP2's hooks and needs
     # inputs that require grad.
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
+    # Keep layers i·n/k for i < k (evenly spaced, distinct because n/k ≥ 1); switch the others off.
+    checkpointed = {i * len(layers) // n_checkpointed for i in range(n_checkpointed)}
+    for i, layer in enumerate(layers):
+        if i not in checkpointed:
+            layer.gradient_checkpointing = False
 
 
-def build_causal_lm(path: str, dtype: torch.dtype = torch.float32, gradient_checkpointing: bool = False,
+def build_causal_lm(path: str, dtype: torch.dtype = torch.float32, gradient_checkpointing: float = 0.0,
                     attn_implementation: str = "sdpa") -> nn.Module:
     """A Hugging Face causal LM on the CPU in `dtype` (keep fp32 for trained models: these are the
-    master weights; FSDP's mixed precision casts to bf16 for compute)."""
+    master weights; FSDP's mixed precision casts to bf16 for compute). `gradient_checkpointing`: the
+    fraction of decoder layers checkpointed, in [0, 1] (True is 1.0, False 0.0)."""
     from transformers import AutoModelForCausalLM
 
     if attn_implementation == VARLEN_ATTN:
         register_varlen_attention()
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
     _disable_dropout(model)
-    if gradient_checkpointing:
-        _enable_gradient_checkpointing(model)
+    _enable_gradient_checkpointing(model, float(gradient_checkpointing))
     return model
 
 
@@ -271,9 +294,10 @@ class ValueModel(nn.Module):
         self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=gradient_checkpointing_kwargs)
 
 
-def build_value_model(path: str, dtype: torch.dtype = torch.float32, gradient_checkpointing: bool = False,
+def build_value_model(path: str, dtype: torch.dtype = torch.float32, gradient_checkpointing: float = 0.0,
                       attn_implementation: str = "sdpa") -> ValueModel:
-    """`ValueModel` with the backbone of the checkpoint at `path` (a causal LM checkpoint is fine)."""
+    """`ValueModel` with the backbone of the checkpoint at `path` (a causal LM checkpoint is fine).
+    `gradient_checkpointing` as in `build_causal_lm`."""
     from transformers import AutoModel
 
     if attn_implementation == VARLEN_ATTN:
@@ -281,8 +305,7 @@ def build_value_model(path: str, dtype: torch.dtype = torch.float32, gradient_ch
     backbone = AutoModel.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
     model = ValueModel(backbone)
     _disable_dropout(model)
-    if gradient_checkpointing:
-        _enable_gradient_checkpointing(model)
+    _enable_gradient_checkpointing(model, float(gradient_checkpointing))
     return model
 
 

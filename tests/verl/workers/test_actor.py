@@ -24,8 +24,9 @@ import torch.multiprocessing as mp
 from verl.protocol import RolloutBatch, pack_trajectories
 from verl.workers.actor import Actor, Reference
 from verl.workers.critic import Critic
-from verl.workers.fsdp import (build_causal_lm, build_value_model, forward_packed, forward_padded,
-                               full_state_dict_iter, plan_packs, values_packed, values_padded)
+from verl.workers.fsdp import (_decoder_layers, _enable_gradient_checkpointing, build_causal_lm, build_value_model,
+                               forward_packed, forward_padded, full_state_dict_iter, plan_packs, values_packed,
+                               values_padded)
 
 # Response lengths (first half long, second half short: the two ranks get very different token
 # counts) and prompt lengths, all different so that padding is on both sides of every row.
@@ -105,6 +106,45 @@ def test_plan_packs_bounds_tokens_and_reaches_min_count():
     assert plan_packs([10, 10, 10], None) == [range(0, 3)]
     packs = plan_packs([1, 1, 1, 1, 1], 100, min_packs=4)
     assert len(packs) == 4 and [i for r in packs for i in r] == list(range(5))
+
+
+def _four_layer_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                         num_attention_heads=2, num_key_value_heads=1, initializer_range=0.3)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return LlamaForCausalLM(config)
+
+
+def test_partial_gradient_checkpointing_spreads_layers_and_keeps_gradients():
+    for ratio, expected in ((1.0, [True] * 4), (0.5, [True, False, True, False]), (0.25, [True, False, False, False]),
+                            (0.0, [False] * 4), (True, [True] * 4), (False, [False] * 4)):
+        model = _four_layer_llama()
+        _enable_gradient_checkpointing(model, ratio)
+        assert [layer.gradient_checkpointing for layer in _decoder_layers(model)] == expected, ratio
+
+    plain, partial = _four_layer_llama(), _four_layer_llama()
+    _enable_gradient_checkpointing(partial, 0.5)
+    # A checkpointed layer starts its forward again in backward: counts [2, 1, 2, 1] show that the
+    # flags are what the layers obey (a pre-hook: the recompute stops early, before forward hooks).
+    calls = [0] * 4
+    for i, layer in enumerate(_decoder_layers(partial)):
+        layer.register_forward_pre_hook(lambda *_, i=i: calls.__setitem__(i, calls[i] + 1))
+    ids_BT = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(0))
+    for model in (plain, partial):
+        model.train()
+        model(input_ids=ids_BT, labels=ids_BT).loss.backward()
+    assert calls == [2, 1, 2, 1]
+    for (name, a), b in zip(plain.named_parameters(), partial.parameters()):
+        assert torch.allclose(a.grad, b.grad, atol=1e-6), name
+
+
+def test_gradient_checkpointing_ratio_out_of_range_raises():
+    for ratio in (-0.1, 1.5):
+        with pytest.raises(ValueError, match=str(ratio)):
+            _enable_gradient_checkpointing(_four_layer_llama(), ratio)
 
 
 def test_packed_equals_padded(tiny_model_dir, batch):
