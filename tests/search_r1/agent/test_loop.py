@@ -237,6 +237,31 @@ def test_continuous_schedule_batches_the_searches_of_a_step_and_times_out(tokeni
     assert t.finish == Finish.TIMEOUT and time.monotonic() - t0 < 3
 
 
+def test_continuous_schedule_admits_ready_turns_together(tokenizer):
+    # Turns that are ready wait for the next admission, every admit_every_steps engine steps (or at
+    # once when the engine has nothing to run), so their prefills share a step.
+    class CountingEngine(ScriptedEngine):
+        steps, submitted_at = 0, []
+
+        def step(self):
+            self.steps += 1
+            return super().step()
+
+        def submit(self, key, prompt, sampling, stop):
+            self.submitted_at.append((self.steps, self.has_unfinished()))
+            super().submit(key, prompt, sampling, stop)
+
+    scripts = {f"P{i}:": ["bad </search>", "<answer> a </answer>"] for i in range(6)}  # invalid, then answer
+    engine = CountingEngine(tokenizer, scripts)
+    agent = SearchAgent(engine, DictSearcher(), AgentConfig(schedule=Schedule.CONTINUOUS, admit_every_steps=4))
+    trajectories = agent.run([tokenizer.encode(k) for k in scripts], GREEDY)
+    assert all(t.finish == Finish.ANSWER and t.invalid_actions == 1 for t in trajectories)
+    later = engine.submitted_at[6:]  # after the first turns, all submitted at the start
+    assert len(later) == 6
+    assert all(step % 4 == 0 or not busy for step, busy in later)
+    assert len({step for step, _ in later}) < len(later)  # some were admitted together
+
+
 def test_continuous_schedule_needs_a_stepping_engine(tokenizer, tiny_model_dir):
     from verl.workers.rollout.engines import HFEngine
 
