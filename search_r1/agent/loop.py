@@ -356,12 +356,12 @@ class SearchAgentLoop:
 
     def __init__(self, engine, max_turns: int = 4, max_response_length: int = 500,
                  max_obs_length: int = 500, retriever_url: str = "http://127.0.0.1:8000/retrieve",
-                 topk: int = 3, schedule: str = "sync", **_ignored):
+                 topk: int = 3, schedule: str = "sync", admit_every_steps: int = 8, **_ignored):
         from search_r1.retrieval.client import RetrieverConfig
         # The whole response may hold every turn's generation and observation.
         budget = (max_turns + 1) * max_response_length + max_turns * max_obs_length
         cfg = AgentConfig(max_turns=max_turns, max_response_length=budget, max_obs_length=max_obs_length,
-                          topk=topk, schedule=Schedule(schedule))
+                          topk=topk, schedule=Schedule(schedule), admit_every_steps=admit_every_steps)
         self.agent = SearchAgent(engine, HTTPSearcher(RetrieverConfig(url=retriever_url, topk=topk)), cfg)
         self.max_tokens_per_turn = max_response_length
 

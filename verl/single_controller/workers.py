@@ -84,7 +84,7 @@ class PolicyWorker:
         self.agent = load_agent_loop(rollout.agent_loop)(
             self.engine, max_turns=cfg.max_turns, max_response_length=cfg.data.max_response_length,
             max_obs_length=cfg.data.max_obs_length, retriever_url=cfg.retriever.url,
-            topk=cfg.retriever.topk, schedule=rollout.schedule)
+            topk=cfg.retriever.topk, schedule=rollout.schedule, admit_every_steps=rollout.admit_every_steps)
         a = arr.actor
         self.actor = Actor(
             path, lr=a.optim.lr, weight_decay=a.optim.weight_decay, betas=tuple(a.optim.betas),

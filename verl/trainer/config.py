@@ -99,6 +99,7 @@ class RolloutConfig:
     max_model_len: int | None = None
     agent_loop: str | None = None
     schedule: str = "sync"
+    admit_every_steps: int = 8  # continuous schedule: ready turns join the running batch together
 
 
 @dataclass
