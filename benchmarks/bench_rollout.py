@@ -233,8 +233,8 @@ class StepTimer:
 def run_agent(engine, searcher: TimedSearcher, prompts, cfg, sampling, profile: str | None = None
               ) -> tuple[dict, list[int], list[list[int]]]:
     """One rollout; returns its statistics, the number of model tokens of every trajectory and its
-    observation tokens. With `profile`,
-    appends the rollout's cProfile (main thread; the busiest functions) to that file."""
+    observation tokens. With `profile`, appends the rollout's cProfile (main thread; the busiest
+    functions) to that file."""
     from search_r1.agent.loop import SearchAgent
 
     searcher.intervals.clear()
@@ -328,12 +328,12 @@ def plain_hf(engine, prompts, n_tokens_B: list[int], sampling) -> tuple[float, d
 
 
 def measure(engine_name: str, engine, plain, searcher, prompts_all, concurrencies, schedules, cfg, sampling,
-            common: dict, emit, profile: str | None = None, admit_every: list[int] = (8,)) -> None:
+            common: dict, emit, profile: str | None = None, admit_every: tuple[int, ...] = (8,)) -> None:
     from search_r1.agent.loop import Schedule
 
     for n in concurrencies:
         prompts = prompts_all[:n]
-        runs = [(s, k) for s in schedules for k in (admit_every if s == "continuous" else [None])]
+        runs = [(s, k) for s in schedules for k in (admit_every if s == "continuous" else (None,))]
         for schedule, admit in runs:
             if schedule == "continuous" and not hasattr(engine, "submit"):
                 continue  # the HF engine has no continuous batching
@@ -501,7 +501,7 @@ def main(argv=None):
             log.info("tag logit bias %s", common["tag_bias"])
             sampling = SamplingConfig(temperature=1.0, top_p=1.0, max_tokens=cap, logit_bias=logit_bias)
             measure(name, engine, plain, searcher, prompts_all, concurrencies, schedules, cfg, sampling, common, emit,
-                    a.profile, [int(k) for k in a.admit_every_steps.split(",")])
+                    a.profile, tuple(int(k) for k in a.admit_every_steps.split(",")))
     finally:
         server.stop()
     print_table(rows)
