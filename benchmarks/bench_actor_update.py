@@ -19,11 +19,13 @@ checkpointed (the lm_head is not recomputed). Peak: the dense bf16 tensor peak o
     python benchmarks/bench_actor_update.py --shape 3b --trajectories 64 --micro 4            # one GPU
     python benchmarks/bench_actor_update.py --shape 3b --trajectories 64 --micro 4 --gpus 2   # FSDP2 on 2
     python benchmarks/bench_actor_update.py --shape 3b --attn varlen --checkpoint-ratios 1,0.5,0  # all, half, none
+    python benchmarks/bench_actor_update.py --shape 3b --logprobs chunked,naive  # vs the unchunked composition
     python benchmarks/bench_actor_update.py --quick                                           # CPU (CI)
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import itertools
 import json
 import os
@@ -123,9 +125,44 @@ def profile_update(actor, batch, mini_batch_size: int, path: str, title: str) ->
         f.write(f"\n=== {title} ===\n{table}\n")
 
 
+def naive_logprobs_and_entropy(logits_NV, labels_N, temperature=1.0, with_entropy=False, entropy_grad=True):
+    """The plain composition that `core_algos.logprobs_and_entropy` replaces (the baseline of
+    `--logprobs naive`): whole fp32 copies of the logits, kept by autograd for backward."""
+    z_NV = logits_NV.float() / temperature
+    logprobs_N = z_NV.log_softmax(-1).gather(-1, labels_N[..., None]).squeeze(-1)
+    if not with_entropy:
+        return logprobs_N, None
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+        entropy_N = torch.logsumexp(z_NV, -1) - (torch.softmax(z_NV, -1) * z_NV).sum(-1)
+    return logprobs_N, entropy_N
+
+
+def time_updates(actor, batch, mini_batch_size: int, warmup: int, steps: int, gpu: bool):
+    """Seconds of the log-prob pass and of `update`, for each of `steps` steps after `warmup`."""
+    times_lp, times_up = [], []
+    for i in range(warmup + steps):
+        if gpu:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        batch.old_logprobs_BR = actor.compute_logprobs(batch)
+        if gpu:
+            torch.cuda.synchronize()
+        t1 = time.perf_counter()
+        metrics = actor.update(batch, mini_batch_size=mini_batch_size, entropy_coef=0.0)
+        if gpu:
+            torch.cuda.synchronize()
+        t2 = time.perf_counter()
+        if i >= warmup:
+            times_lp.append(t1 - t0)
+            times_up.append(t2 - t1)
+    return times_lp, times_up, metrics
+
+
 def run(a) -> list[dict]:
     import torch.distributed as dist
 
+    from verl.trainer import core_algos
+    from verl.workers import fsdp
     from verl.workers.actor import Actor
     from verl.workers.fsdp import init_distributed, world_size
 
@@ -147,32 +184,34 @@ def run(a) -> list[dict]:
     peak = peak_flops(a.peak_tflops)
     gpu = torch.cuda.is_available()
     rows = []
-    for variant, ratio in itertools.product(a.attn.split(","), a.ratios):
+    for variant, ratio, logprobs_impl in itertools.product(a.attn.split(","), a.ratios, a.logprobs.split(",")):
         attn, _, compiled = variant.partition("+")  # e.g. "varlen+compile"
+        fsdp.logprobs_and_entropy = {"chunked": core_algos.logprobs_and_entropy,
+                                     "naive": naive_logprobs_and_entropy}[logprobs_impl]
         flops, recompute = model_flops_per_update(a.shape, batch, world, ratio)
         fwd_flops = flops / 3
         if gpu:
+            gc.collect()  # the previous variant's model, also after an out-of-memory error
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
-        actor = Actor(str(model_dir), lr=1e-6, micro_batch_size=a.micro, max_tokens_per_pack=a.max_tokens_per_pack,
-                      gradient_checkpointing=ratio, mixed_precision=gpu,
-                      attn_implementation=attn, use_torch_compile=compiled == "compile")
-        times_lp, times_up = [], []
-        for i in range(a.warmup + a.steps):
-            if gpu:
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            batch.old_logprobs_BR = actor.compute_logprobs(batch)
-            if gpu:
-                torch.cuda.synchronize()
-            t1 = time.perf_counter()
-            metrics = actor.update(batch, mini_batch_size=n_local, entropy_coef=0.0)
-            if gpu:
-                torch.cuda.synchronize()
-            t2 = time.perf_counter()
-            if i >= a.warmup:
-                times_lp.append(t1 - t0)
-                times_up.append(t2 - t1)
+        base = {"bench": "actor_update", "shape": a.shape, "attn": variant, "gpus": world,
+                "device": torch.cuda.get_device_name() if gpu else "cpu", "trajectories": a.trajectories,
+                "micro_batch": a.micro, "tokens_per_update": int(tokens), "checkpointing": ratio > 0,
+                "checkpoint_ratio": ratio, "logprobs": logprobs_impl}
+        try:
+            actor = Actor(str(model_dir), lr=1e-6, micro_batch_size=a.micro, max_tokens_per_pack=a.max_tokens_per_pack,
+                          gradient_checkpointing=ratio, mixed_precision=gpu,
+                          attn_implementation=attn, use_torch_compile=compiled == "compile")
+            times_lp, times_up, metrics = time_updates(actor, batch, n_local, a.warmup, a.steps, gpu)
+        except torch.OutOfMemoryError:
+            if distributed:
+                raise  # another rank may be waiting in a collective: stop everything
+            # one process: record that this variant does not fit and go on with the next
+            row = {**base, "error": "out of memory", "peak_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2)}
+            actor = None
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            continue
         mem = torch.cuda.max_memory_allocated() / 2**30 if gpu else None
         if a.profile and rank == 0:
             profile_update(actor, batch, n_local, a.profile, f"{a.shape} {variant} checkpoint ratio {ratio:g}")
@@ -183,11 +222,7 @@ def run(a) -> list[dict]:
             dist.all_reduce(mem_t, op=dist.ReduceOp.MAX)
             mem = float(mem_t) if gpu else None
         up, lp = min(times_up), min(times_lp)
-        row = {"bench": "actor_update", "shape": a.shape, "attn": variant,
-               "gpus": world, "device": torch.cuda.get_device_name() if gpu else "cpu",
-               "trajectories": a.trajectories, "micro_batch": a.micro, "tokens_per_update": int(tokens),
-               "checkpointing": ratio > 0, "checkpoint_ratio": ratio,
-               "update_s": round(up, 3), "update_s_all": [round(t, 3) for t in times_up],
+        row = {**base, "update_s": round(up, 3), "update_s_all": [round(t, 3) for t in times_up],
                "update_tokens_per_s": round(tokens / up), "update_tokens_per_s_per_gpu": round(tokens / up / world),
                "logprob_s": round(lp, 3), "logprob_tokens_per_s": round(tokens / lp),
                "peak_memory_gib": round(mem, 2) if mem is not None else None,
@@ -219,6 +254,8 @@ def main(argv=None):
     p.add_argument("--no-checkpointing", action="store_true", help="same as --checkpoint-ratios 0")
     p.add_argument("--checkpoint-ratios", default="1.0",
                    help="comma-separated fractions of decoder layers checkpointed (recomputed in backward), each timed")
+    p.add_argument("--logprobs", default="chunked",
+                   help="comma-separated: 'chunked' (the workers' own) and/or 'naive' (whole fp32 logits), each timed")
     p.add_argument("--peak-tflops", type=float, help="dense bf16 peak of one GPU (default: from its name)")
     p.add_argument("--workdir", default="outputs/bench_actor")
     p.add_argument("--quick", action="store_true", help="tiny model on the CPU (CI)")
@@ -226,6 +263,8 @@ def main(argv=None):
     p.add_argument("--profile", help="after timing, profile one more update and append its busiest operators here")
     a = p.parse_args(argv)
     a.ratios = [0.0] if a.no_checkpointing else [float(r) for r in a.checkpoint_ratios.split(",")]
+    if set(a.logprobs.split(",")) - {"chunked", "naive"}:
+        p.error(f"--logprobs {a.logprobs}: use chunked and/or naive")
     if not all(0 <= r <= 1 for r in a.ratios):
         p.error(f"--checkpoint-ratios {a.checkpoint_ratios}: each must be in [0, 1]")
     if a.quick:
@@ -241,8 +280,12 @@ def main(argv=None):
             for row in rows:
                 f.write(json.dumps(row) + "\n")
     for row in rows:
+        if "error" in row:
+            print(f"{row['shape']} {row['attn']:>14} ckpt {row['checkpoint_ratio']:g} {row['logprobs']} ×{row['gpus']}: "
+                  f"{row['error']}")
+            continue
         mfu = f"  MFU {row['update_mfu']:.1%} (HFU {row['update_hfu']:.1%})" if "update_mfu" in row else ""
-        print(f"{row['shape']} {row['attn']:>14} ckpt {row['checkpoint_ratio']:g} ×{row['gpus']}: "
+        print(f"{row['shape']} {row['attn']:>14} ckpt {row['checkpoint_ratio']:g} {row['logprobs']} ×{row['gpus']}: "
               f"update {row['update_s']:.2f} s "
               f"= {row['update_tokens_per_s']:,} tokens/s{mfu}; log-probs {row['logprob_tokens_per_s']:,} tokens/s; "
               f"peak {row['peak_memory_gib']} GiB")

@@ -404,6 +404,8 @@ def main(argv=None):
     p.add_argument("--tag-bias", type=float, help="logit bias of both tags (default: calibrated to --response-tokens)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.7,
                    help="vLLM's share of GPU memory; the rest holds the HF engine with --engine both")
+    p.add_argument("--cudagraph-mode", help="vLLM compilation_config.cudagraph_mode, e.g. FULL (default: vLLM's); "
+                   "GPU only")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workdir", default="outputs/bench_rollout")
     p.add_argument("--quick", action="store_true", help="CPU, tiny shape and sizes (CI)")
@@ -451,7 +453,8 @@ def main(argv=None):
     max_model_len = max(map(len, prompts_all)) + cfg.max_response_length + 8
     common = {"bench": "rollout", "device": torch.cuda.get_device_name() if gpu else "cpu", "shape": a.shape,
               "vocab": len(tok), "max_turns": a.max_turns, "mean_turn_target": round(mean_turn, 1),
-              "max_tokens_per_turn": cap, "max_obs_length": a.max_obs_length, "topk": a.topk}
+              "max_tokens_per_turn": cap, "max_obs_length": a.max_obs_length, "topk": a.topk,
+              "cudagraph_mode": a.cudagraph_mode or "default"}
     log.info("model %s; mean turn %.0f tokens, cap %d; vLLM at %s, HF at %s", model, mean_turn, cap, vllm_n, hf_n)
 
     rows: list[dict] = []
@@ -488,6 +491,8 @@ def main(argv=None):
             if name == "vllm":
                 kw = ({"gpu_memory_utilization": a.gpu_memory_utilization} if gpu
                       else {"kv_cache_memory_bytes": 256 << 20})  # small explicit CPU cache: no profiling run
+                if a.cudagraph_mode:
+                    kw["compilation_config"] = {"cudagraph_mode": a.cudagraph_mode}
                 engine = VLLMEngine(model, seed=a.seed, max_model_len=max_model_len, **kw)
                 plain = plain_vllm
             else:

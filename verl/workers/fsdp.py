@@ -61,7 +61,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from verl.protocol import RolloutBatch
-from verl.trainer.core_algos import LossAgg, entropy_from_logits, logprobs_from_logits
+from verl.trainer.core_algos import LossAgg, logprobs_and_entropy
 
 logger = logging.getLogger(__name__)
 
@@ -477,20 +477,6 @@ def _scatter_rows(values_N: torch.Tensor, target_bR: torch.Tensor) -> torch.Tens
     return out_bR
 
 
-def _logprobs_and_entropy(logits_NV, labels_N, temperature, compute_entropy, entropy_grad):
-    # fp32 before the softmax: bf16 log-probs are too coarse for PPO's ratio.
-    logits_NV = logits_NV.float() / temperature
-    logprobs_N = logprobs_from_logits(logits_NV, labels_N)
-    entropy_N = None
-    if compute_entropy:
-        if entropy_grad:
-            entropy_N = entropy_from_logits(logits_NV)
-        else:  # metrics only: do not keep an N×V softmax alive for backward
-            with torch.no_grad():
-                entropy_N = entropy_from_logits(logits_NV.detach())
-    return logprobs_N, entropy_N
-
-
 def forward_packed(model, input_ids_BT, attention_mask_BT, prompt_width: int, temperature: float = 1.0,
                    compute_entropy: bool = False, max_tokens_per_pack: int | None = 8192,
                    entropy_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -504,7 +490,7 @@ def forward_packed(model, input_ids_BT, attention_mask_BT, prompt_width: int, te
     logprobs, entropies = [], []
     for rows, target_bR, logits_NV in _packed_outputs(model, input_ids_BT, attention_mask_BT, P, max_tokens_per_pack):
         labels_N = input_ids_BT[rows.start:rows.stop, P:][target_bR]
-        logprobs_N, entropy_N = _logprobs_and_entropy(logits_NV, labels_N, temperature, compute_entropy, entropy_grad)
+        logprobs_N, entropy_N = logprobs_and_entropy(logits_NV, labels_N, temperature, compute_entropy, entropy_grad)
         logprobs.append(_scatter_rows(logprobs_N, target_bR))
         if compute_entropy:
             entropies.append(_scatter_rows(entropy_N, target_bR))
@@ -525,8 +511,8 @@ def forward_padded(model, input_ids_BT, attention_mask_BT, prompt_width: int, te
     logits_BRV = model(input_ids=input_ids_BT, attention_mask=attention_mask_BT,
                        position_ids=_padded_position_ids(attention_mask_BT), logits_to_keep=R + 1,
                        use_cache=False).logits[:, :-1]  # positions P-1 … T-2 predict tokens P … T-1
-    logprobs_BR, entropy_BR = _logprobs_and_entropy(logits_BRV, input_ids_BT[:, P:], temperature,
-                                                    compute_entropy, entropy_grad)
+    logprobs_BR, entropy_BR = logprobs_and_entropy(logits_BRV, input_ids_BT[:, P:], temperature,
+                                                   compute_entropy, entropy_grad)
     zero = target_BR.logical_not()
     logprobs_BR = logprobs_BR.masked_fill(zero, 0.0)
     return logprobs_BR, entropy_BR.masked_fill(zero, 0.0) if compute_entropy else None

@@ -447,18 +447,6 @@ def test_policy_loss_no_gradient_on_masked_tokens(mask_BR):
 
 # ----------------------------------------------------------------------------- entropy, value, log-probs
 
-def test_entropy():
-    torch.manual_seed(9)
-    logits = torch.randn(3, 5, 11, dtype=torch.float64) * 4
-    p = logits.softmax(-1)
-    close(ca.entropy_from_logits(logits), -(p * p.log()).sum(-1), atol=1e-10)
-    big = torch.tensor([[1000.0, -1000.0, 0.0], [50.0, 50.0, 50.0]], requires_grad=True)
-    ent = ca.entropy_from_logits(big)
-    close(ent, [0.0, math.log(3)])
-    ent.sum().backward()
-    assert torch.isfinite(big.grad).all()
-
-
 def test_entropy_loss(mask_BR):
     ent = torch.rand(B, R)
     for mode in ca.LossAgg:
@@ -495,19 +483,63 @@ def test_value_loss(mask_BR):
     assert stats["vf_clipfrac"] == 0.5
 
 
-def test_logprobs_from_logits():
-    torch.manual_seed(11)
-    logits = torch.randn(4, 6, 50, requires_grad=True)
-    labels = torch.randint(0, 50, (4, 6))
-    out = ca.logprobs_from_logits(logits, labels)
-    expected = logits.log_softmax(-1).gather(-1, labels[..., None]).squeeze(-1)
-    close(out, expected)
-    out.sum().backward()
-    assert logits.grad is not None and torch.isfinite(logits.grad).all()
+def _naive_logprobs_entropy(logits, labels, temperature):
+    z = logits.double() / temperature
+    logp = z.log_softmax(-1)
+    return logp.gather(-1, labels[..., None]).squeeze(-1), -(logp.exp() * logp).sum(-1)
 
-    bf16 = (logits.detach() * 5).bfloat16().requires_grad_(True)
-    out = ca.logprobs_from_logits(bf16, labels)
-    assert out.dtype == torch.float32
-    close(out, bf16.detach().float().log_softmax(-1).gather(-1, labels[..., None]).squeeze(-1))
-    out.sum().backward()
-    assert bf16.grad.dtype == torch.bfloat16
+
+@pytest.mark.parametrize("chunk_elements", [1 << 27, 50, 7])  # one chunk; several, the last one short; a row each
+def test_logprobs_and_entropy_match_log_softmax(chunk_elements):
+    torch.manual_seed(11)
+    logits = (torch.randn(4, 6, 23, dtype=torch.float64) * 3).requires_grad_(True)
+    labels = torch.randint(0, 23, (4, 6))
+    w_logp, w_ent = torch.randn(4, 6, dtype=torch.float64), torch.randn(4, 6, dtype=torch.float64)
+    naive = logits.detach().clone().requires_grad_(True)
+    exp_logp, exp_ent = _naive_logprobs_entropy(naive, labels, 0.7)
+    ((exp_logp * w_logp).sum() + (exp_ent * w_ent).sum()).backward()
+
+    logp, ent = ca.logprobs_and_entropy(logits, labels, 0.7, with_entropy=True, chunk_elements=chunk_elements)
+    assert logp.shape == ent.shape == (4, 6)
+    close(logp, exp_logp, atol=1e-12)
+    close(ent, exp_ent, atol=1e-12)
+    ((logp * w_logp).sum() + (ent * w_ent).sum()).backward()
+    close(logits.grad, naive.grad, atol=1e-12)
+
+    for use_logp, use_ent in [(True, False), (False, True)]:  # gradients of one output alone
+        logits.grad, naive.grad = None, None
+        logp, ent = ca.logprobs_and_entropy(logits, labels, 0.7, with_entropy=True, chunk_elements=chunk_elements)
+        exp_logp, exp_ent = _naive_logprobs_entropy(naive, labels, 0.7)
+        ((logp * w_logp).sum() if use_logp else (ent * w_ent).sum()).backward()
+        ((exp_logp * w_logp).sum() if use_logp else (exp_ent * w_ent).sum()).backward()
+        close(logits.grad, naive.grad, atol=1e-12)
+
+
+def test_logprobs_and_entropy_gradcheck():
+    torch.manual_seed(12)
+    logits = torch.randn(5, 9, dtype=torch.float64, requires_grad=True)
+    labels = torch.randint(0, 9, (5,))
+    assert torch.autograd.gradcheck(
+        lambda x: ca.logprobs_and_entropy(x, labels, 1.3, with_entropy=True, chunk_elements=20), (logits,))
+
+
+def test_logprobs_and_entropy_bf16_and_extremes():
+    torch.manual_seed(13)
+    logits = (torch.randn(3, 8, 50) * 5).bfloat16().requires_grad_(True)
+    labels = torch.randint(0, 50, (3, 8))
+    logp, ent = ca.logprobs_and_entropy(logits, labels, with_entropy=True, entropy_grad=False, chunk_elements=120)
+    assert logp.dtype == ent.dtype == torch.float32
+    exp_logp, exp_ent = _naive_logprobs_entropy(logits.detach(), labels, 1.0)  # from the same bf16 values
+    close(logp, exp_logp.float(), atol=1e-5)
+    close(ent, exp_ent.float(), atol=1e-5)
+    assert not ent.requires_grad  # metrics only
+    logp.sum().backward()
+    assert logits.grad.dtype == torch.bfloat16 and torch.isfinite(logits.grad).all()
+
+    big = torch.tensor([[1000.0, -1000.0, 0.0], [50.0, 50.0, 50.0]], requires_grad=True)
+    logp, ent = ca.logprobs_and_entropy(big, torch.tensor([1, 0]), with_entropy=True)
+    close(ent, [0.0, math.log(3)])
+    close(logp, [-2000.0, -math.log(3)])
+    (logp.sum() + ent.sum()).backward()
+    assert torch.isfinite(big.grad).all()
+    assert ca.logprobs_and_entropy(big, torch.tensor([1, 0]))[1] is None
