@@ -20,6 +20,7 @@ checkpointed (the lm_head is not recomputed). Peak: the dense bf16 tensor peak o
     python benchmarks/bench_actor_update.py --shape 3b --trajectories 64 --micro 4 --gpus 2   # FSDP2 on 2
     python benchmarks/bench_actor_update.py --shape 3b --attn varlen --checkpoint-ratios 1,0.5,0  # all, half, none
     python benchmarks/bench_actor_update.py --shape 3b --logprobs chunked,naive  # vs the unchunked composition
+    python benchmarks/bench_actor_update.py --shape 3b --gpus 2 --accumulation sharded,unsharded
     python benchmarks/bench_actor_update.py --quick                                           # CPU (CI)
 """
 from __future__ import annotations
@@ -184,7 +185,8 @@ def run(a) -> list[dict]:
     peak = peak_flops(a.peak_tflops)
     gpu = torch.cuda.is_available()
     rows = []
-    for variant, ratio, logprobs_impl in itertools.product(a.attn.split(","), a.ratios, a.logprobs.split(",")):
+    for variant, ratio, logprobs_impl, accumulation in itertools.product(
+            a.attn.split(","), a.ratios, a.logprobs.split(","), a.accumulation.split(",")):
         attn, _, compiled = variant.partition("+")  # e.g. "varlen+compile"
         fsdp.logprobs_and_entropy = {"chunked": core_algos.logprobs_and_entropy,
                                      "naive": naive_logprobs_and_entropy}[logprobs_impl]
@@ -197,11 +199,12 @@ def run(a) -> list[dict]:
         base = {"bench": "actor_update", "shape": a.shape, "attn": variant, "gpus": world,
                 "device": torch.cuda.get_device_name() if gpu else "cpu", "trajectories": a.trajectories,
                 "micro_batch": a.micro, "tokens_per_update": int(tokens), "checkpointing": ratio > 0,
-                "checkpoint_ratio": ratio, "logprobs": logprobs_impl}
+                "checkpoint_ratio": ratio, "logprobs": logprobs_impl, "accumulation": accumulation}
         try:
             actor = Actor(str(model_dir), lr=1e-6, micro_batch_size=a.micro, max_tokens_per_pack=a.max_tokens_per_pack,
                           gradient_checkpointing=ratio, mixed_precision=gpu,
-                          attn_implementation=attn, use_torch_compile=compiled == "compile")
+                          unsharded_accumulation=accumulation == "unsharded", attn_implementation=attn,
+                          use_torch_compile=compiled == "compile")
             times_lp, times_up, metrics = time_updates(actor, batch, n_local, a.warmup, a.steps, gpu)
         except torch.OutOfMemoryError:
             if distributed:
@@ -256,6 +259,9 @@ def main(argv=None):
                    help="comma-separated fractions of decoder layers checkpointed (recomputed in backward), each timed")
     p.add_argument("--logprobs", default="chunked",
                    help="comma-separated: 'chunked' (the workers' own) and/or 'naive' (whole fp32 logits), each timed")
+    p.add_argument("--accumulation", default="sharded",
+                   help="comma-separated: 'sharded' (FSDP2's default: all-gather and reduce-scatter per micro-batch) "
+                        "and/or 'unsharded' (once per optimizer step; Actor(unsharded_accumulation=True)), each timed")
     p.add_argument("--peak-tflops", type=float, help="dense bf16 peak of one GPU (default: from its name)")
     p.add_argument("--workdir", default="outputs/bench_actor")
     p.add_argument("--quick", action="store_true", help="tiny model on the CPU (CI)")
@@ -263,6 +269,8 @@ def main(argv=None):
     p.add_argument("--profile", help="after timing, profile one more update and append its busiest operators here")
     a = p.parse_args(argv)
     a.ratios = [0.0] if a.no_checkpointing else [float(r) for r in a.checkpoint_ratios.split(",")]
+    if set(a.accumulation.split(",")) - {"sharded", "unsharded"}:
+        p.error(f"--accumulation {a.accumulation}: use sharded and/or unsharded")
     if set(a.logprobs.split(",")) - {"chunked", "naive"}:
         p.error(f"--logprobs {a.logprobs}: use chunked and/or naive")
     if not all(0 <= r <= 1 for r in a.ratios):
@@ -280,16 +288,14 @@ def main(argv=None):
             for row in rows:
                 f.write(json.dumps(row) + "\n")
     for row in rows:
+        label = (f"{row['shape']} {row['attn']:>14} ckpt {row['checkpoint_ratio']:g} {row['logprobs']} "
+                 f"{row['accumulation']} ×{row['gpus']}")
         if "error" in row:
-            print(f"{row['shape']} {row['attn']:>14} ckpt {row['checkpoint_ratio']:g} {row['logprobs']} ×{row['gpus']}: "
-                  f"{row['error']}")
+            print(f"{label}: {row['error']}")
             continue
         mfu = f"  MFU {row['update_mfu']:.1%} (HFU {row['update_hfu']:.1%})" if "update_mfu" in row else ""
-        print(f"{row['shape']} {row['attn']:>14} ckpt {row['checkpoint_ratio']:g} {row['logprobs']} ×{row['gpus']}: "
-              f"update {row['update_s']:.2f} s "
-              f"= {row['update_tokens_per_s']:,} tokens/s{mfu}; log-probs {row['logprob_tokens_per_s']:,} tokens/s; "
-              f"peak {row['peak_memory_gib']} GiB")
-
+        print(f"{label}: update {row['update_s']:.2f} s = {row['update_tokens_per_s']:,} tokens/s{mfu}; "
+              f"log-probs {row['logprob_tokens_per_s']:,} tokens/s; peak {row['peak_memory_gib']} GiB")
 
 if __name__ == "__main__":
     main()

@@ -37,10 +37,10 @@ import torch.distributed as dist
 
 from verl.protocol import RolloutBatch
 from verl.trainer.core_algos import LossAgg, agg_loss, kl_penalty, policy_loss
-from verl.workers.fsdp import (all_reduce_scalar, build_causal_lm, build_lr_scheduler, build_optimizer,
-                               check_batch_sizes, clip_grad_norm_, compile_layers, compute_device, forward_packed,
-                               loss_units, mixed_precision_context, move_optimizer_state, pick_attn_implementation,
-                               shard, shuffled_mini_batches, world_size)
+from verl.workers.fsdp import (accumulation_steps, all_reduce_scalar, build_causal_lm, build_lr_scheduler,
+                               build_optimizer, check_batch_sizes, clip_grad_norm_, compile_layers, compute_device,
+                               forward_packed, loss_units, mixed_precision_context, move_optimizer_state,
+                               pick_attn_implementation, shard, shuffled_mini_batches, world_size)
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +84,8 @@ class Actor:
                  betas: tuple[float, float] = (0.9, 0.999), warmup_steps: int = 0, total_steps: int | None = None,
                  lr_schedule: str = "constant", min_lr_ratio: float = 0.0, grad_clip: float | None = 1.0,
                  gradient_checkpointing: float = 1.0, param_offload: bool = False, optimizer_offload: bool = False,
-                 mixed_precision: bool = True, micro_batch_size: int = 4, max_tokens_per_pack: int = 16384,
+                 mixed_precision: bool = True, unsharded_accumulation: bool = False,
+                 micro_batch_size: int = 4, max_tokens_per_pack: int = 16384,
                  temperature: float = 1.0, seed: int = 0, attn_implementation: str | None = None,
                  use_torch_compile: bool = False):
         self.device = compute_device()
@@ -98,6 +99,8 @@ class Actor:
         self.grad_clip = grad_clip
         # Offloading the optimizer state only helps while the parameters are on the GPU.
         self.optimizer_offload = optimizer_offload and torch.cuda.is_available() and not param_offload
+        # keep full weights and gradients across a mini-batch's micro-batches (fsdp.accumulation_steps)
+        self.unsharded_accumulation = unsharded_accumulation
         self.micro_batch_size = micro_batch_size
         self.max_tokens_per_pack = max_tokens_per_pack
         self.temperature = temperature
@@ -142,7 +145,8 @@ class Actor:
                 mask_BR = mini.loss_mask_BR if state_masking else mini.response_mask_BR
                 total_units = all_reduce_scalar(loss_units(mask_BR, loss_agg))
                 self.optimizer.zero_grad(set_to_none=True)
-                for micro in mini.split(mini_batch_size // self.micro_batch_size):
+                micros = mini.split(mini_batch_size // self.micro_batch_size)
+                for micro in accumulation_steps(self.model, micros, self.unsharded_accumulation):
                     micro = micro.to(self.device)
                     micro_mask_BR = micro.loss_mask_BR if state_masking else micro.response_mask_BR
                     weight = (loss_units(micro_mask_BR, loss_agg) / total_units * world_size()

@@ -20,8 +20,8 @@ import torch.distributed as dist
 
 from verl.protocol import RolloutBatch
 from verl.trainer.core_algos import LossAgg, value_loss
-from verl.workers.fsdp import (all_reduce_scalar, build_lr_scheduler, build_optimizer, build_value_model,
-                               check_batch_sizes, clip_grad_norm_, compute_device, loss_units,
+from verl.workers.fsdp import (accumulation_steps, all_reduce_scalar, build_lr_scheduler, build_optimizer,
+                               build_value_model, check_batch_sizes, clip_grad_norm_, compute_device, loss_units,
                                mixed_precision_context, move_optimizer_state, pick_attn_implementation, shard,
                                shuffled_mini_batches, values_packed, world_size)
 
@@ -35,7 +35,8 @@ class Critic:
                  betas: tuple[float, float] = (0.9, 0.999), warmup_steps: int = 0, total_steps: int | None = None,
                  lr_schedule: str = "constant", min_lr_ratio: float = 0.0, grad_clip: float | None = 1.0,
                  gradient_checkpointing: float = 1.0, param_offload: bool = False, optimizer_offload: bool = False,
-                 mixed_precision: bool = True, micro_batch_size: int = 4, max_tokens_per_pack: int = 16384,
+                 mixed_precision: bool = True, unsharded_accumulation: bool = False,
+                 micro_batch_size: int = 4, max_tokens_per_pack: int = 16384,
                  seed: int = 0):
         self.device = compute_device()
         self.sharded = dist.is_initialized()
@@ -51,6 +52,8 @@ class Critic:
         self.scheduler = build_lr_scheduler(self.optimizer, warmup_steps, total_steps, lr_schedule, min_lr_ratio)
         self.grad_clip = grad_clip
         self.optimizer_offload = optimizer_offload and torch.cuda.is_available() and not param_offload
+        # keep full weights and gradients across a mini-batch's micro-batches (fsdp.accumulation_steps)
+        self.unsharded_accumulation = unsharded_accumulation
         self.micro_batch_size = micro_batch_size
         self.max_tokens_per_pack = max_tokens_per_pack
         self.seed = seed
@@ -91,7 +94,8 @@ class Critic:
                 mask_BR = mini.loss_mask_BR if state_masking else mini.response_mask_BR
                 total_units = all_reduce_scalar(loss_units(mask_BR, loss_agg))
                 self.optimizer.zero_grad(set_to_none=True)
-                for micro in mini.split(mini_batch_size // self.micro_batch_size):
+                micros = mini.split(mini_batch_size // self.micro_batch_size)
+                for micro in accumulation_steps(self.model, micros, self.unsharded_accumulation):
                     micro = micro.to(self.device)
                     micro_mask_BR = micro.loss_mask_BR if state_masking else micro.response_mask_BR
                     weight = (loss_units(micro_mask_BR, loss_agg) / total_units * world_size()

@@ -4,7 +4,8 @@
 - `build_causal_lm` / `build_value_model`: fp32 master weights, dropout off, optional gradient
   checkpointing (of every decoder layer, or of an evenly spread fraction of them).
 - `shard`: FSDP2 (`fully_shard`) on every decoder layer, then on the root; `compile_layers`:
-  torch.compile of each decoder layer's forward (optional).
+  torch.compile of each decoder layer's forward (optional); `accumulation_steps`: one
+  all-gather and one reduce-scatter per optimizer step instead of per micro-batch (optional).
 - `varlen_attention` / `pick_attn_implementation`: the attention used for packed rows (below).
 - `full_state_dict_iter`: full tensors one at a time, for pushing weights to the rollout engine.
 - `forward_packed` / `forward_padded`: response log-probs (and entropy); `values_packed` /
@@ -354,6 +355,39 @@ def shard(model: nn.Module, cpu_offload: bool = False, mixed_precision: bool = T
         fully_shard(layer, **kwargs)
     fully_shard(model, **kwargs)
     return model
+
+
+def accumulation_steps(model: nn.Module, micro_batches: list, unsharded: bool) -> Iterator:
+    """Yield the micro-batches of one optimizer step, setting FSDP2 up for gradient accumulation.
+
+    By default FSDP2 all-gathers a layer's weights in every forward and again in every backward,
+    and reduce-scatters its gradients after every backward: per micro-batch, two all-gathers of the
+    bf16 weights and one reduce-scatter of fp32 gradients (≈ 24 GB of traffic for 3B). With
+    `unsharded` the decoder layers keep their full weights from the first forward to the last
+    backward, and gradients are summed unsharded (in the reduce dtype, fp32) and reduce-scattered
+    once, after the last micro-batch. The cost is memory: the whole model's bf16 weights and fp32
+    gradients unsharded on every GPU (18 GB for 3B) while the step runs. Without FSDP (one
+    process) or with `unsharded=False` the micro-batches pass through untouched.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    if not (unsharded and isinstance(model, FSDPModule)):
+        yield from micro_batches
+        return
+    layers = _decoder_layers(model)  # the root keeps its weights after forward anyway (FSDP2's rule)
+    for layer in layers:
+        layer.set_reshard_after_forward(False, recurse=False)
+    try:
+        for i, micro in enumerate(micro_batches):
+            last = i == len(micro_batches) - 1
+            model.set_requires_gradient_sync(last)
+            model.set_reshard_after_backward(last)
+            yield micro
+    finally:
+        for layer in layers:
+            layer.set_reshard_after_forward(True, recurse=False)
+        model.set_requires_gradient_sync(True)
+        model.set_reshard_after_backward(True)
 
 
 def _full_tensor(t: torch.Tensor) -> torch.Tensor:

@@ -300,7 +300,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _fsdp_rank(rank, world, port, model_dir, batch_path, out_dir):
+def _fsdp_rank(rank, world, port, model_dir, batch_path, out_dir, unsharded):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     import torch.distributed as dist
@@ -309,11 +309,11 @@ def _fsdp_rank(rank, world, port, model_dir, batch_path, out_dir):
     init_distributed(timeout_minutes=2)  # a collective mismatch fails the test instead of hanging it
     try:
         part = torch.load(batch_path, weights_only=False).split(world)[rank]
-        actor = Actor(model_dir, **ACTOR_KW)
+        actor = Actor(model_dir, **ACTOR_KW, unsharded_accumulation=unsharded)
         logprobs_BR = actor.compute_logprobs(part)
         actor_metrics = actor.update(part, mini_batch_size=len(part), **UPDATE_KW)
         actor_params = params_of(actor.model)  # a collective: every rank iterates
-        critic = Critic(model_dir, **CRITIC_KW)
+        critic = Critic(model_dir, **CRITIC_KW, unsharded_accumulation=unsharded)
         critic_metrics = critic.update(part, mini_batch_size=len(part), clip_range_value=0.5)
         critic_params = params_of(critic.model)
         torch.save(dict(logprobs_BR=logprobs_BR, actor_metrics=actor_metrics, actor_params=actor_params,
@@ -322,9 +322,11 @@ def _fsdp_rank(rank, world, port, model_dir, batch_path, out_dir):
         dist.destroy_process_group()
 
 
-def test_fsdp_world_size_2_matches_single_process(tiny_model_dir, batch, tmp_path):
+# unsharded: full weights and gradients kept across micro-batches (fsdp.accumulation_steps), the same update
+@pytest.mark.parametrize("unsharded", [False, True])
+def test_fsdp_world_size_2_matches_single_process(tiny_model_dir, batch, tmp_path, unsharded):
     torch.save(batch, tmp_path / "batch.pt")
-    mp.spawn(_fsdp_rank, args=(2, _free_port(), tiny_model_dir, str(tmp_path / "batch.pt"), str(tmp_path)),
+    mp.spawn(_fsdp_rank, args=(2, _free_port(), tiny_model_dir, str(tmp_path / "batch.pt"), str(tmp_path), unsharded),
              nprocs=2, join=True)
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
 
