@@ -94,6 +94,7 @@ class PolicyWorker:
                                     if arr.model.enable_gradient_checkpointing else 0.0),
             param_offload=a.fsdp_config.param_offload, optimizer_offload=a.fsdp_config.optimizer_offload,
             mixed_precision=a.fsdp_config.mixed_precision and self.device == "cuda",
+            unsharded_accumulation=a.fsdp_config.unsharded_accumulation,
             micro_batch_size=self.sizes.micro_batch_trajectories_per_worker,
             max_tokens_per_pack=a.max_tokens_per_pack, temperature=rollout.temperature,
             attn_implementation=arr.model.attn_implementation, use_torch_compile=arr.model.use_torch_compile)
@@ -197,6 +198,7 @@ class CriticWorker:
             param_offload=c.model.fsdp_config.param_offload,
             optimizer_offload=c.model.fsdp_config.optimizer_offload,
             mixed_precision=c.model.fsdp_config.mixed_precision and self.device == "cuda",
+            unsharded_accumulation=c.model.fsdp_config.unsharded_accumulation,
             micro_batch_size=self.sizes.critic_micro_trajectories_per_worker,
             max_tokens_per_pack=self.cfg.actor_rollout_ref.actor.max_tokens_per_pack)
 

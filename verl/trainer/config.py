@@ -57,6 +57,8 @@ class FSDPConfig:
     param_offload: bool = False
     optimizer_offload: bool = False
     mixed_precision: bool = True
+    # several GPUs: keep full weights and gradients across micro-batches (fsdp.accumulation_steps)
+    unsharded_accumulation: bool = False
 
 
 @dataclass

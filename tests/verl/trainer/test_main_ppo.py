@@ -96,10 +96,11 @@ def test_grpo_two_steps_resume_and_ppo(tiny_model_dir, bundled_data, bm25_server
     expected = [[e.index for e in sampler.next_batch()] for _ in range(3)]
     assert [o["indices"] for o in order] == expected
 
-    # one PPO step: GAE with a critic, KL in the reward
+    # one PPO step: GAE with a critic, KL in the reward; FSDP2 accumulation with unsharded weights
     ppo = base + ["algorithm.adv_estimator=gae", "algorithm.use_kl_in_reward=true",
                   "actor_rollout_ref.rollout.n_agent=1", "data.train_batch_size=2",
                   "actor_rollout_ref.actor.ppo_mini_batch_size=2", "trainer.total_training_steps=1",
-                  "trainer.val_before_train=false"]
+                  "trainer.val_before_train=false", "actor_rollout_ref.actor.fsdp_config.unsharded_accumulation=true",
+                  "critic.model.fsdp_config.unsharded_accumulation=true"]
     rows = train(ppo, tmp_path / "ppo")
     assert rows[-1]["step"] == 1 and "timing_s/update_critic" in rows[-1] and rows[-1]["vf_loss"] > 0
