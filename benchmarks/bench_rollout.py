@@ -194,21 +194,32 @@ class TimedSearcher:
 class StepTimer:
     """Times vLLM's engine steps during a rollout and counts the prompt tokens its prefix cache
     served: the wall time outside the steps is the agent loop's own (Python) time, during which the
-    in-process engine is idle."""
+    in-process engine is idle. Steps that begin with requests waiting to be scheduled ("admission
+    steps": they prefill the new requests next to the running decodes) are also timed apart.
+    `prefix_cached_frac` is over ALL prompt tokens of all requests, first prompts and new
+    observations included, which the cache cannot hold: it is not the hit rate on re-sent history."""
 
     def __init__(self, engine):
         self.llm_engine = getattr(getattr(engine, "llm", None), "llm_engine", None)
+        core = getattr(getattr(self.llm_engine, "engine_core", None), "engine_core", None)
+        self.scheduler = getattr(core, "scheduler", None)  # in-process engine core only
         self.steps, self.step_s, self.prompt_tokens, self.cached_tokens = 0, 0.0, 0, 0
+        self.admission_steps, self.admission_step_s = 0, 0.0
 
     def __enter__(self):
         if self.llm_engine is not None:
             inner = self.llm_engine.step
 
             def step():
+                admitting = self.scheduler is not None and bool(getattr(self.scheduler, "waiting", ()))
                 t0 = time.perf_counter()
                 outputs = inner()
-                self.step_s += time.perf_counter() - t0
+                dt = time.perf_counter() - t0
+                self.step_s += dt
                 self.steps += 1
+                if admitting:
+                    self.admission_steps += 1
+                    self.admission_step_s += dt
                 for o in outputs:
                     if o.finished:
                         self.prompt_tokens += len(o.prompt_token_ids or ())
@@ -225,9 +236,12 @@ class StepTimer:
     def stats(self, wall_s: float) -> dict:
         if self.llm_engine is None:
             return {}
-        return {"engine_steps": self.steps, "engine_step_s": round(self.step_s, 3),
-                "outside_steps_s": round(wall_s - self.step_s, 3),
-                "prefix_cached_frac": round(self.cached_tokens / max(1, self.prompt_tokens), 3)}
+        stats = {"engine_steps": self.steps, "engine_step_s": round(self.step_s, 3),
+                 "outside_steps_s": round(wall_s - self.step_s, 3),
+                 "prefix_cached_frac": round(self.cached_tokens / max(1, self.prompt_tokens), 3)}
+        if self.scheduler is not None:
+            stats |= {"admission_steps": self.admission_steps, "admission_step_s": round(self.admission_step_s, 3)}
+        return stats
 
 
 def run_agent(engine, searcher: TimedSearcher, prompts, cfg, sampling, profile: str | None = None
@@ -271,7 +285,7 @@ def run_agent(engine, searcher: TimedSearcher, prompts, cfg, sampling, profile: 
 
 def plain_vllm(engine, prompts, n_tokens_B: list[int], sampling) -> tuple[float, dict]:
     """One `LLM.generate` call: exactly n_tokens_B[i] new tokens for prompt i. Returns seconds and
-    the number of engine steps."""
+    the engine-step statistics."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -285,7 +299,7 @@ def plain_vllm(engine, prompts, n_tokens_B: list[int], sampling) -> tuple[float,
     got = [len(o.outputs[0].token_ids) for o in outputs]
     if got != n_tokens_B:
         raise RuntimeError(f"plain vLLM run generated {sum(got)} tokens instead of {sum(n_tokens_B)}")
-    return wall_s, {"engine_steps": timer.steps}
+    return wall_s, {k: v for k, v in timer.stats(wall_s).items() if k != "prefix_cached_frac"}
 
 
 class _StopAtLengths(StoppingCriteria):
