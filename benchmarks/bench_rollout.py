@@ -420,6 +420,8 @@ def main(argv=None):
                    help="vLLM's share of GPU memory; the rest holds the HF engine with --engine both")
     p.add_argument("--cudagraph-mode", help="vLLM compilation_config.cudagraph_mode, e.g. FULL (default: vLLM's); "
                    "GPU only")
+    p.add_argument("--max-cudagraph-capture-size", type=int,
+                   help="vLLM: steps of up to this many tokens run as CUDA graphs (default: vLLM's, ≤ 512)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workdir", default="outputs/bench_rollout")
     p.add_argument("--quick", action="store_true", help="CPU, tiny shape and sizes (CI)")
@@ -468,7 +470,8 @@ def main(argv=None):
     common = {"bench": "rollout", "device": torch.cuda.get_device_name() if gpu else "cpu", "shape": a.shape,
               "vocab": len(tok), "max_turns": a.max_turns, "mean_turn_target": round(mean_turn, 1),
               "max_tokens_per_turn": cap, "max_obs_length": a.max_obs_length, "topk": a.topk,
-              "cudagraph_mode": a.cudagraph_mode or "default"}
+              "cudagraph_mode": a.cudagraph_mode or "default",
+              "max_cudagraph_capture_size": a.max_cudagraph_capture_size or "default"}
     log.info("model %s; mean turn %.0f tokens, cap %d; vLLM at %s, HF at %s", model, mean_turn, cap, vllm_n, hf_n)
 
     rows: list[dict] = []
@@ -505,8 +508,10 @@ def main(argv=None):
             if name == "vllm":
                 kw = ({"gpu_memory_utilization": a.gpu_memory_utilization} if gpu
                       else {"kv_cache_memory_bytes": 256 << 20})  # small explicit CPU cache: no profiling run
-                if a.cudagraph_mode:
-                    kw["compilation_config"] = {"cudagraph_mode": a.cudagraph_mode}
+                compilation = {"cudagraph_mode": a.cudagraph_mode,
+                               "max_cudagraph_capture_size": a.max_cudagraph_capture_size}
+                if any(compilation.values()):
+                    kw["compilation_config"] = {k: v for k, v in compilation.items() if v}
                 engine = VLLMEngine(model, seed=a.seed, max_model_len=max_model_len, **kw)
                 plain = plain_vllm
             else:

@@ -68,6 +68,8 @@ class PolicyWorker:
                 kw["distributed_executor_backend"] = "external_launcher"
             if self.device == "cpu":  # a small fixed KV cache: no share-of-RAM probing on CPU
                 kw["kv_cache_memory_bytes"] = 256 << 20
+            if rollout.max_cudagraph_capture_size:
+                kw["compilation_config"] = {"max_cudagraph_capture_size": rollout.max_cudagraph_capture_size}
             self.engine = VLLMEngine(path, seed=cfg.trainer.seed + self.rank,
                                      gpu_memory_utilization=rollout.gpu_memory_utilization,
                                      max_model_len=rollout.max_model_len or budget,
