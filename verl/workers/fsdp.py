@@ -40,6 +40,8 @@ Logits only where needed: the model is called through its root `forward` (FSDP2 
 parameters — embeddings, final norm, lm_head — only in the root's forward hook, so calling
 `model.model` and `model.lm_head` separately would meet sharded weights) with `logits_to_keep` set to
 the positions that predict response tokens, so lm_head runs on those rows of the hidden states only.
+Their log-probs and entropy come from `core_algos.logprobs_and_entropy`, which works through the
+vocabulary-wide logits in chunks and keeps only the bf16 logits for backward.
 For a value model we own the wrapper (`ValueModel`) and it does the same with its value head.
 """
 
