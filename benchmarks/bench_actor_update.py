@@ -210,7 +210,8 @@ def run(a) -> list[dict]:
             if distributed:
                 raise  # another rank may be waiting in a collective: stop everything
             # one process: record that this variant does not fit and go on with the next
-            row = {**base, "error": "out of memory", "peak_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2)}
+            peak_gib = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+            row = {**base, "error": "out of memory", "peak_memory_gib": peak_gib}
             actor = None
             rows.append(row)
             print(json.dumps(row), flush=True)
@@ -296,6 +297,7 @@ def main(argv=None):
         mfu = f"  MFU {row['update_mfu']:.1%} (HFU {row['update_hfu']:.1%})" if "update_mfu" in row else ""
         print(f"{label}: update {row['update_s']:.2f} s = {row['update_tokens_per_s']:,} tokens/s{mfu}; "
               f"log-probs {row['logprob_tokens_per_s']:,} tokens/s; peak {row['peak_memory_gib']} GiB")
+
 
 if __name__ == "__main__":
     main()

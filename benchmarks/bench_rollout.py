@@ -508,10 +508,10 @@ def main(argv=None):
             if name == "vllm":
                 kw = ({"gpu_memory_utilization": a.gpu_memory_utilization} if gpu
                       else {"kv_cache_memory_bytes": 256 << 20})  # small explicit CPU cache: no profiling run
-                compilation = {"cudagraph_mode": a.cudagraph_mode,
-                               "max_cudagraph_capture_size": a.max_cudagraph_capture_size}
-                if any(compilation.values()):
-                    kw["compilation_config"] = {k: v for k, v in compilation.items() if v}
+                compilation = {k: v for k, v in (("cudagraph_mode", a.cudagraph_mode),
+                                                  ("max_cudagraph_capture_size", a.max_cudagraph_capture_size)) if v}
+                if compilation:
+                    kw["compilation_config"] = compilation
                 engine = VLLMEngine(model, seed=a.seed, max_model_len=max_model_len, **kw)
                 plain = plain_vllm
             else:
