@@ -244,23 +244,35 @@ class StepTimer:
         return stats
 
 
+@contextlib.contextmanager
+def profiled(path: str | None, title: str):
+    """Appends the block's cProfile (this thread: the busiest functions by own and by cumulative
+    time) to `path`; does nothing without a path."""
+    if not path:
+        yield
+        return
+    t0 = time.perf_counter()
+    with cProfile.Profile() as prof:
+        yield
+    with open(path, "a") as f:
+        f.write(f"\n=== {title}, {time.perf_counter() - t0:.1f} s (profiled) ===\n")
+        stats = pstats.Stats(prof, stream=f)
+        stats.sort_stats("tottime").print_stats(30)
+        stats.sort_stats("cumulative").print_stats(40)
+
+
 def run_agent(engine, searcher: TimedSearcher, prompts, cfg, sampling, profile: str | None = None
               ) -> tuple[dict, list[int], list[list[int]]]:
     """One rollout; returns its statistics, the number of model tokens of every trajectory and its
-    observation tokens. With `profile`, appends the rollout's cProfile (main thread; the busiest
-    functions) to that file."""
+    observation tokens. With `profile`, appends the rollout's cProfile to that file."""
     from search_r1.agent.loop import SearchAgent
 
     searcher.intervals.clear()
     searcher.empty = 0
     t0 = time.perf_counter()
-    with StepTimer(engine) as timer, (cProfile.Profile() if profile else contextlib.nullcontext()) as prof:
+    with StepTimer(engine) as timer, profiled(profile, f"agent, {len(prompts)} trajectories, {cfg.schedule} schedule"):
         trajectories = SearchAgent(engine, searcher, cfg).run(prompts, sampling)
     wall_s = time.perf_counter() - t0
-    if profile:
-        with open(profile, "a") as f:
-            f.write(f"\n=== {len(prompts)} trajectories, {cfg.schedule} schedule, {wall_s:.1f} s (profiled) ===\n")
-            pstats.Stats(prof, stream=f).sort_stats("tottime").print_stats(40)
     model_tokens_B = [sum(t.loss_mask) for t in trajectories]
     obs_ids_B = [[i for i, m in zip(t.response_ids, t.loss_mask) if not m] for t in trajectories]
     n, turns = len(trajectories), sum(t.turns for t in trajectories)
@@ -361,7 +373,8 @@ def measure(engine_name: str, engine, plain, searcher, prompts_all, concurrencie
             # The same, with each trajectory's observations appended to its prompt: the plain run
             # then also prefills them and decodes over contexts as long as the agent's last turn.
             log.info("%s: plain generation with the observations in the prompts", engine_name)
-            obs_s, obs_stats = plain(engine, [p + o for p, o in zip(prompts, obs_ids_B)], n_tokens_B, sampling)
+            with profiled(profile, f"plain with observations, {n} trajectories, after the {schedule} schedule"):
+                obs_s, obs_stats = plain(engine, [p + o for p, o in zip(prompts, obs_ids_B)], n_tokens_B, sampling)
             run = {**common, "engine": engine_name, "trajectories": n, "schedule": schedule, **extra}
             plain_row = {**run, "mode": "plain", "wall_s": round(plain_s, 3), "model_tokens": sum(n_tokens_B),
                          "tokens_per_s": round(sum(n_tokens_B) / plain_s, 1), "prompt_tokens": agent["prompt_tokens"],
@@ -422,13 +435,16 @@ def main(argv=None):
                    "GPU only")
     p.add_argument("--max-cudagraph-capture-size", type=int,
                    help="vLLM: steps of up to this many tokens run as CUDA graphs (default: vLLM's, ≤ 512)")
+    p.add_argument("--retrieval-devices",
+                   help="the retrieval server's --devices, e.g. cpu (default: the server's, every GPU)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workdir", default="outputs/bench_rollout")
     p.add_argument("--quick", action="store_true", help="CPU, tiny shape and sizes (CI)")
     p.add_argument("--out", help="append one JSON row per measurement to this file")
     p.add_argument("--admit-every-steps", default="8",
                    help="continuous schedule: comma-separated values of AgentConfig.admit_every_steps, each timed")
-    p.add_argument("--profile", help="append a cProfile summary of every agent rollout to this file "
+    p.add_argument("--profile", help="append a cProfile summary of every agent rollout and plain run with "
+                                     "observations to this file "
                                      "(slows the loop's Python: rows measured so are for diagnosis only)")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
@@ -471,7 +487,8 @@ def main(argv=None):
               "vocab": len(tok), "max_turns": a.max_turns, "mean_turn_target": round(mean_turn, 1),
               "max_tokens_per_turn": cap, "max_obs_length": a.max_obs_length, "topk": a.topk,
               "cudagraph_mode": a.cudagraph_mode or "default",
-              "max_cudagraph_capture_size": a.max_cudagraph_capture_size or "default"}
+              "max_cudagraph_capture_size": a.max_cudagraph_capture_size or "default",
+              "retrieval_devices": a.retrieval_devices or "default"}
     log.info("model %s; mean turn %.0f tokens, cap %d; vLLM at %s, HF at %s", model, mean_turn, cap, vllm_n, hf_n)
 
     rows: list[dict] = []
@@ -495,7 +512,9 @@ def main(argv=None):
         if gpu:
             torch.cuda.empty_cache()  # the encoder's memory goes back before vLLM sizes its cache
     server = ServerProcess(["--retriever_name", "minilm", "--retriever_model", "all-MiniLM-L6-v2",
-                            "--index_path", str(index), "--corpus_path", str(corpus)], work / "retrieval.log")
+                            "--index_path", str(index), "--corpus_path", str(corpus),
+                            *(["--devices", a.retrieval_devices] if a.retrieval_devices else [])],
+                           work / "retrieval.log")
     t_start = time.perf_counter()
     try:
         searcher = TimedSearcher(HTTPSearcher(RetrieverConfig(url=f"{server.url}/retrieve", topk=a.topk)))

@@ -102,7 +102,7 @@ class RolloutConfig:
     agent_loop: str | None = None
     schedule: str = "sync"
     admit_every_steps: int = 8  # continuous schedule: ready turns join the running batch together
-    max_cudagraph_capture_size: int | None = None  # vLLM: largest step (tokens) run as a CUDA graph; None: vLLM's
+    max_cudagraph_capture_size: int | None = 2048  # vLLM: largest step (tokens) run as a CUDA graph; None: vLLM's
 
 
 @dataclass

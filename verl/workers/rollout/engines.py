@@ -331,12 +331,16 @@ class AsyncVLLMEngine:
 
     async def generate_one(self, prompt_ids: list[int], sampling: SamplingConfig, stop: list[str]) -> Generation:
         from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
 
         params = _vllm_sampling_params(sampling, stop, _request_seed(sampling, self.on_cpu))
+        # Only the finished output: the default kind sends every request's cumulative output from the
+        # engine process after every step, per-token work that grows with the batch.
+        params.output_kind = RequestOutputKind.FINAL_ONLY
         final = None
         async for final in self.llm.generate(
                 TokensPrompt(prompt_token_ids=list(prompt_ids)), params, request_id=f"r{next(self._request_ids)}"):
-            pass  # the default output kind streams cumulative outputs: the last one is complete
+            pass
         return _from_vllm_output(final)
 
     def shutdown(self) -> None:
