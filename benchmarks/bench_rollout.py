@@ -18,6 +18,9 @@ corrections) and re-sends each trajectory's history every turn (vLLM's prefix ca
 serves most of it; HF recomputes it). Rows report prompt and observation tokens so this can be judged.
 The async schedule goes through the engines' `generate_one` micro-batcher, as the trainer runs it;
 the continuous schedule (vLLM) steps the engine itself and adds each next turn to the running batch.
+vLLM's engine core (scheduler and model) runs in this process, as in the trainer, which pushes
+weights into it; `--engine-core separate` gives it a process of its own, so the agent loop's Python
+(admissions, detokenising, search threads) no longer competes with the scheduler for one interpreter.
 
 Model: random weights of a Qwen2.5 shape (Llama layout, tied embeddings, as `bench_grpo_step.py`
 builds it), vocabulary = the tokenizer's: SmolLM2's 49,152 (+2 tags) by default; pass --tokenizer
@@ -68,6 +71,7 @@ import cProfile
 import json
 import logging
 import math
+import os
 import pstats
 import sys
 import time
@@ -435,6 +439,9 @@ def main(argv=None):
                    "GPU only")
     p.add_argument("--max-cudagraph-capture-size", type=int,
                    help="vLLM: steps of up to this many tokens run as CUDA graphs (default: vLLM's, ≤ 512)")
+    p.add_argument("--engine-core", choices=["in-process", "separate"], default="in-process",
+                   help="vLLM's engine core (scheduler + model) in this process, as the trainer runs it, or in a "
+                        "process of its own (VLLM_ENABLE_V1_MULTIPROCESSING=1), away from the agent loop's Python")
     p.add_argument("--retrieval-devices",
                    help="the retrieval server's --devices, e.g. cpu (default: the server's, every GPU)")
     p.add_argument("--seed", type=int, default=0)
@@ -488,7 +495,7 @@ def main(argv=None):
               "max_tokens_per_turn": cap, "max_obs_length": a.max_obs_length, "topk": a.topk,
               "cudagraph_mode": a.cudagraph_mode or "default",
               "max_cudagraph_capture_size": a.max_cudagraph_capture_size or "default",
-              "retrieval_devices": a.retrieval_devices or "default"}
+              "retrieval_devices": a.retrieval_devices or "default", "engine_core": a.engine_core}
     log.info("model %s; mean turn %.0f tokens, cap %d; vLLM at %s, HF at %s", model, mean_turn, cap, vllm_n, hf_n)
 
     rows: list[dict] = []
@@ -531,7 +538,10 @@ def main(argv=None):
                                                   ("max_cudagraph_capture_size", a.max_cudagraph_capture_size)) if v}
                 if compilation:
                     kw["compilation_config"] = compilation
+                # VLLMEngine keeps the core in-process unless this variable says otherwise.
+                os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if a.engine_core == "separate" else "0"
                 engine = VLLMEngine(model, seed=a.seed, max_model_len=max_model_len, **kw)
+                common["engine_core_client"] = type(engine.llm.llm_engine.engine_core).__name__  # InprocClient or not
                 plain = plain_vllm
             else:
                 engine = HFEngine(model, device="cuda" if gpu else "cpu", dtype="bfloat16" if gpu else "float32",

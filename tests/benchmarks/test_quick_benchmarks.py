@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import vllm_skip_reason
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = ["bench_dense_search.py", "bench_corpus.py", "bench_server.py", "bench_cpu_indexes.py",
@@ -26,3 +27,20 @@ def test_quick(script, tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert rows, "no results written"
+
+
+def test_rollout_with_engine_core_in_its_own_process(tmp_path):
+    """--engine-core separate puts vLLM's engine core in another process; the continuous schedule
+    then steps it through the inter-process client and still writes trajectories."""
+    if reason := vllm_skip_reason():
+        pytest.skip(reason)
+    out = tmp_path / "out.jsonl"
+    args = [sys.executable, str(ROOT / "benchmarks" / "bench_rollout.py"), "--quick", "--engine", "vllm",
+            "--schedules", "continuous", "--engine-core", "separate", "--out", str(out), "--workdir", str(tmp_path / "work")]
+    r = subprocess.run(args, capture_output=True, text=True, timeout=300, cwd=ROOT,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert rows and all(row["engine_core_client"] != "InprocClient" for row in rows)
+    agent = [row for row in rows if row["mode"] == "agent"]
+    assert agent and all(row["schedule"] == "continuous" and row["model_tokens"] > 0 for row in agent)
