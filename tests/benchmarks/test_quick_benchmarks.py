@@ -36,7 +36,8 @@ def test_rollout_with_engine_core_in_its_own_process(tmp_path):
         pytest.skip(reason)
     out = tmp_path / "out.jsonl"
     args = [sys.executable, str(ROOT / "benchmarks" / "bench_rollout.py"), "--quick", "--engine", "vllm",
-            "--schedules", "continuous", "--engine-core", "separate", "--out", str(out), "--workdir", str(tmp_path / "work")]
+            "--schedules", "continuous", "--engine-core", "separate",
+            "--out", str(out), "--workdir", str(tmp_path / "work")]
     r = subprocess.run(args, capture_output=True, text=True, timeout=300, cwd=ROOT,
                        env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert r.returncode == 0, r.stderr[-3000:]
