@@ -52,7 +52,7 @@ class PolicyWorker:
 
     def setup(self, master_addr: str, master_port: int) -> None:
         from verl.workers.actor import Actor, Reference
-        from verl.workers.rollout.engines import HFEngine, VLLMEngine
+        from verl.workers.rollout.engines import IN_PROCESS_ONLY, HFEngine, VLLMEngine
         from verl.workers.rollout.single_turn import load_agent_loop
 
         cfg, arr = self.cfg, self.cfg.actor_rollout_ref
@@ -76,6 +76,8 @@ class PolicyWorker:
                                      enable_sleep_mode=rollout.enable_sleep and self.device == "cuda",
                                      enforce_eager=rollout.enforce_eager,
                                      tensor_parallel_size=rollout.tensor_model_parallel_size, **kw)
+            if not self.engine.in_process:  # fail now, not at the first weight update after a rollout
+                raise RuntimeError(IN_PROCESS_ONLY)
         elif rollout.name == "hf":
             self.engine = HFEngine(path, device=self.device,
                                    dtype="bfloat16" if self.device == "cuda" else "float32",

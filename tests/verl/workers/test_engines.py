@@ -6,7 +6,12 @@ piece of text that ends at a token boundary, which a second greedy run must stop
 """
 
 import asyncio
+import json
+import os
+import subprocess
+import sys
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -141,6 +146,38 @@ def test_async_vllm_engine_matches_offline_engine(tiny_model, vllm_engine, promp
             engine.shutdown()
 
     assert asyncio.run(run()) == vllm_engine.generate(prompts, GREEDY, stop=[])
+
+
+CHILD_CORE_SCRIPT = """
+import json, sys
+from verl.workers.rollout.engines import SamplingConfig, VLLMEngine
+model, prompts = sys.argv[1], json.loads(sys.argv[2])
+engine = VLLMEngine(model, seed=0, max_model_len=512, kv_cache_memory_bytes=64 << 20)
+generations = engine.generate(prompts, SamplingConfig(temperature=0, max_tokens=24), [])
+try:
+    engine.load_weights([])
+    refused = ""
+except RuntimeError as error:
+    refused = str(error)
+print("RESULT", json.dumps({"in_process": engine.in_process, "token_ids": [g.token_ids for g in generations],
+                  "refused": refused}), flush=True)
+"""
+
+
+def test_vllm_engine_core_in_a_child_process(tiny_model, vllm_engine, prompts):
+    """VLLM_ENABLE_V1_MULTIPROCESSING=1 puts vLLM's engine core in a child process (the rollout
+    benchmark's --engine-core separate): the same generations, and a weight push fails with its cause
+    instead of deep inside vLLM's serialisation. A process of its own: vLLM reads the variable once
+    per process."""
+    root = Path(__file__).resolve().parents[3]
+    r = subprocess.run([sys.executable, "-c", CHILD_CORE_SCRIPT, tiny_model, json.dumps(prompts)],
+                       capture_output=True, text=True, timeout=300, cwd=root,
+                       env={**os.environ, "PYTHONPATH": str(root), "VLLM_ENABLE_V1_MULTIPROCESSING": "1"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(next(line for line in r.stdout.splitlines() if line.startswith("RESULT "))[7:])
+    assert vllm_engine.in_process and not got["in_process"]
+    assert got["token_ids"] == [g.token_ids for g in vllm_engine.generate(prompts, GREEDY, stop=[])]
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" in got["refused"]
 
 
 def test_make_engine_rejects_unknown_kind(tiny_model):

@@ -184,6 +184,11 @@ def _vllm_dtype(dtype: str, on_cpu: bool) -> str:
     return dtype
 
 
+IN_PROCESS_ONLY = ("pushing weights into vLLM needs its engine core in this process, and "
+                   "VLLM_ENABLE_V1_MULTIPROCESSING=1 in the environment puts it in a child process: unset it "
+                   "(or set it to 0) for training")
+
+
 class VLLMEngine:
     """vLLM offline engine; prompts and outputs are token ids."""
 
@@ -286,8 +291,18 @@ class VLLMEngine:
             torch.cuda.empty_cache()
         self.llm.wake_up()
 
+    @property
+    def in_process(self) -> bool:
+        """Whether vLLM's engine core (scheduler and model) runs in this process; with
+        VLLM_ENABLE_V1_MULTIPROCESSING=1 in the environment it runs in a child process."""
+        from vllm.v1.engine.core_client import InprocClient
+
+        return isinstance(self.llm.llm_engine.engine_core, InprocClient)
+
     def load_weights(self, named_tensors) -> None:
         """Replace the weights in memory from (name, tensor) pairs with Hugging Face names."""
+        if not self.in_process:
+            raise RuntimeError(IN_PROCESS_ONLY)
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(named_tensors)})
         # Cached prefixes hold keys/values computed by the old weights.
         self.llm.reset_prefix_cache()
