@@ -250,8 +250,8 @@ class StepTimer:
 
 @contextlib.contextmanager
 def profiled(path: str | None, title: str):
-    """Appends the block's cProfile (this thread: the busiest functions by own and by cumulative
-    time) to `path`; does nothing without a path."""
+    """Appends the block's cProfile (the busiest functions by own and by cumulative time; from
+    Python 3.12 on, other threads' calls count too) to `path`; does nothing without a path."""
     if not path:
         yield
         return

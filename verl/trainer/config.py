@@ -103,6 +103,7 @@ class RolloutConfig:
     schedule: str = "sync"
     admit_every_steps: int = 8  # continuous schedule: ready turns join the running batch together
     max_cudagraph_capture_size: int | None = 2048  # vLLM: largest step (tokens) run as a CUDA graph; None: vLLM's
+    engine_core: str = "in_process"  # vLLM's scheduler + model in the worker's process, or "separate" (a child)
 
 
 @dataclass

@@ -63,7 +63,8 @@ def test_grpo_two_steps_resume_and_ppo(tiny_model_dir, bundled_data, bm25_server
     base = common(tiny_model_dir, bundled_data, bm25_server)
     grpo = base + ["algorithm.adv_estimator=grpo", "algorithm.use_kl_in_reward=false",
                    "actor_rollout_ref.actor.use_kl_loss=true", "trainer.save_freq=1",
-                   "actor_rollout_ref.rollout.max_cudagraph_capture_size=64"]  # accepted; vLLM-CPU runs eagerly
+                   "actor_rollout_ref.rollout.max_cudagraph_capture_size=64",  # accepted; vLLM-CPU runs eagerly
+                   "actor_rollout_ref.rollout.engine_core=separate"]  # weights cross into vLLM's own process
     out = tmp_path / "grpo"
     rows = train(grpo + ["trainer.total_training_steps=2"], out)
     steps = [r for r in rows if r["step"] > 0]

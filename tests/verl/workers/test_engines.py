@@ -150,25 +150,31 @@ def test_async_vllm_engine_matches_offline_engine(tiny_model, vllm_engine, promp
 
 CHILD_CORE_SCRIPT = """
 import json, sys
+from pathlib import Path
+import torch
+from safetensors.torch import load_file
 from verl.workers.rollout.engines import SamplingConfig, VLLMEngine
 model, prompts = sys.argv[1], json.loads(sys.argv[2])
 engine = VLLMEngine(model, seed=0, max_model_len=512, kv_cache_memory_bytes=64 << 20)
-generations = engine.generate(prompts, SamplingConfig(temperature=0, max_tokens=24), [])
-try:
-    engine.load_weights([])
-    refused = ""
-except RuntimeError as error:
-    refused = str(error)
-print("RESULT", json.dumps({"in_process": engine.in_process, "token_ids": [g.token_ids for g in generations],
-                  "refused": refused}), flush=True)
+greedy = SamplingConfig(temperature=0, max_tokens=24)
+before = [g.token_ids for g in engine.generate(prompts, greedy, [])]
+original = load_file(str(Path(model) / "model.safetensors"))
+g = torch.Generator().manual_seed(0)
+engine.load_weights((k, v + 0.5 * torch.randn(v.shape, generator=g) if v.dim() == 2 else v)
+                    for k, v in original.items())
+changed = [g.token_ids for g in engine.generate(prompts, greedy, [])]
+engine.load_weights(original.items())
+after = [g.token_ids for g in engine.generate(prompts, greedy, [])]
+print("RESULT", json.dumps({"in_process": engine.in_process, "before": before, "changed": changed, "after": after}),
+      flush=True)
 """
 
 
 def test_vllm_engine_core_in_a_child_process(tiny_model, vllm_engine, prompts):
-    """VLLM_ENABLE_V1_MULTIPROCESSING=1 puts vLLM's engine core in a child process (the rollout
-    benchmark's --engine-core separate): the same generations, and a weight push fails with its cause
-    instead of deep inside vLLM's serialisation. A process of its own: vLLM reads the variable once
-    per process."""
+    """VLLM_ENABLE_V1_MULTIPROCESSING=1 puts vLLM's engine core in a child process (the trainer's
+    rollout.engine_core=separate): the same generations as in-process, and weights pushed from this
+    process (as shared-memory handles) take effect there and can be restored. A process of its own:
+    vLLM reads the variable once per process."""
     root = Path(__file__).resolve().parents[3]
     r = subprocess.run([sys.executable, "-c", CHILD_CORE_SCRIPT, tiny_model, json.dumps(prompts)],
                        capture_output=True, text=True, timeout=300, cwd=root,
@@ -176,8 +182,8 @@ def test_vllm_engine_core_in_a_child_process(tiny_model, vllm_engine, prompts):
     assert r.returncode == 0, r.stderr[-3000:]
     got = json.loads(next(line for line in r.stdout.splitlines() if line.startswith("RESULT "))[7:])
     assert vllm_engine.in_process and not got["in_process"]
-    assert got["token_ids"] == [g.token_ids for g in vllm_engine.generate(prompts, GREEDY, stop=[])]
-    assert "VLLM_ENABLE_V1_MULTIPROCESSING" in got["refused"]
+    assert got["before"] == [g.token_ids for g in vllm_engine.generate(prompts, GREEDY, stop=[])]
+    assert got["changed"] != got["before"] and got["after"] == got["before"]
 
 
 def test_make_engine_rejects_unknown_kind(tiny_model):

@@ -5,7 +5,9 @@ generated (never decoded and re-tokenised), and the stop string that ended a tur
 "</answer>") is part of the returned ids, so the observation can be appended right after it.
 Stop strings are matched inside the engine, so no token is generated past the tag.
 
-- `VLLMEngine`: vLLM's offline `LLM`, engine core in this process (weights can be pushed into it).
+- `VLLMEngine`: vLLM's offline `LLM`, engine core (scheduler + model) in this process by default, in
+  a child process with VLLM_ENABLE_V1_MULTIPROCESSING=1 (vLLM reads it once per process); weights
+  can be pushed into it either way.
 - `HFEngine`: transformers `generate`, for machines or models vLLM does not cover, and as a reference.
 - `AsyncVLLMEngine`: vLLM's `AsyncLLM`, one request per trajectory. Its engine core always runs in a
   child process (spawned), so scripts using it need an `if __name__ == "__main__":` guard.
@@ -32,6 +34,8 @@ from typing import Any, Protocol
 
 import torch
 from transformers import StoppingCriteria
+
+from verl.workers.rollout import shared_weights
 
 logger = logging.getLogger(__name__)
 
@@ -184,11 +188,6 @@ def _vllm_dtype(dtype: str, on_cpu: bool) -> str:
     return dtype
 
 
-IN_PROCESS_ONLY = ("pushing weights into vLLM needs its engine core in this process, and "
-                   "VLLM_ENABLE_V1_MULTIPROCESSING=1 in the environment puts it in a child process: unset it "
-                   "(or set it to 0) for training")
-
-
 class VLLMEngine:
     """vLLM offline engine; prompts and outputs are token ids."""
 
@@ -203,8 +202,9 @@ class VLLMEngine:
         enforce_eager: bool | None = None,  # None: eager on CPU (compiling takes minutes), graphs on GPU
         **kw,  # passed to vllm.LLM, e.g. kv_cache_memory_bytes, tensor_parallel_size
     ):
-        # Keep the engine core in this process: weight updates and sleep/wake reach the model
-        # directly, and no process is spawned. Read when the engine is built.
+        # By default the engine core stays in this process: weight updates reach the model directly
+        # and no process is spawned. A child process (=1) frees the scheduler from this process's
+        # Python at high concurrency.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         from vllm import LLM
 
@@ -218,6 +218,7 @@ class VLLMEngine:
                 dtype=_vllm_dtype(dtype, self.on_cpu),
                 enable_sleep_mode=enable_sleep_mode,
                 enforce_eager=self.on_cpu if enforce_eager is None else enforce_eager,
+                worker_extension_cls="verl.workers.rollout.shared_weights.SharedWeightsReceiver",
                 **kw,
             )
         self.tokenizer = self.llm.get_tokenizer()
@@ -301,9 +302,11 @@ class VLLMEngine:
 
     def load_weights(self, named_tensors) -> None:
         """Replace the weights in memory from (name, tensor) pairs with Hugging Face names."""
-        if not self.in_process:
-            raise RuntimeError(IN_PROCESS_ONLY)
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(named_tensors)})
+        named = [(name, tensor.detach()) for name, tensor in named_tensors]
+        if self.in_process:
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named})
+        else:  # handles to the tensors' memory cross to the engine's process, not the tensors
+            self.llm.collective_rpc("load_shared_weights", args=(shared_weights.pack(named),))
         # Cached prefixes hold keys/values computed by the old weights.
         self.llm.reset_prefix_cache()
 
@@ -349,8 +352,8 @@ class AsyncVLLMEngine:
         from vllm.sampling_params import RequestOutputKind
 
         params = _vllm_sampling_params(sampling, stop, _request_seed(sampling, self.on_cpu))
-        # Only the finished output: the default kind sends every request's cumulative output from the
-        # engine process after every step, per-token work that grows with the batch.
+        # Only the finished output: with the default kind every request's cumulative output is built
+        # and handed to its caller after every step, work that grows with the batch.
         params.output_kind = RequestOutputKind.FINAL_ONLY
         final = None
         async for final in self.llm.generate(

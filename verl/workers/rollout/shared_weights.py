@@ -1,0 +1,32 @@
+"""Weight pushes into a vLLM engine core that runs in another process.
+
+In-process, `VLLMEngine.load_weights` hands the tensors to the model directly. When the engine core
+has a process of its own (VLLM_ENABLE_V1_MULTIPROCESSING=1), its RPC channel serialises arguments,
+and a list of tensors does not survive it. Instead the sender pickles the tensors the way
+`torch.multiprocessing` does — CUDA tensors as CUDA IPC handles, CPU tensors as shared-memory
+files — so only handles cross the process boundary, and the engine's worker (extended by
+`SharedWeightsReceiver`) maps the same memory and loads from it. The sender keeps its tensors alive
+until the call returns; the receiver copies them into the model before it does.
+"""
+
+import pickle
+from multiprocessing.reduction import ForkingPickler
+
+import torch.multiprocessing
+
+
+def pack(named_tensors: list) -> bytes:
+    """(name, tensor) pairs as bytes that another process on this machine can unpickle into views
+    of the same memory (CUDA: IPC handles; CPU: shared-memory files, copied there on first use).
+    Keep the tensors referenced until the receiver is done with them."""
+    # By file name rather than by file descriptor: descriptors would need a socket of their own.
+    torch.multiprocessing.set_sharing_strategy("file_system")
+    return bytes(ForkingPickler.dumps(named_tensors))
+
+
+class SharedWeightsReceiver:
+    """Mixed into vLLM's worker class (`LLM(worker_extension_cls=...)`); reached through
+    `LLM.collective_rpc("load_shared_weights", args=(pack(...),))`."""
+
+    def load_shared_weights(self, payload: bytes) -> None:
+        self.reload_weights(weights_iterator=pickle.loads(payload))
