@@ -157,6 +157,11 @@ class PolicyWorker:
         self.sleep_rollout()
         return time.perf_counter() - t0
 
+    def shutdown(self) -> None:
+        """End of training: stop the rollout engine while this process is still whole."""
+        if self.cfg.actor_rollout_ref.rollout.name == "vllm":
+            self.engine.shutdown()
+
     # -- training ------------------------------------------------------------------------------
 
     def compute_log_probs(self, batch: RolloutBatch) -> torch.Tensor:

@@ -66,6 +66,7 @@ def run(raw: DictConfig) -> None:
     trainer = PPOTrainer(cfg, sizes, policy, critic, tokenizer, sampler, val, tracker, total_steps, device_name)
     trainer.n_params = sum(p.numel() for p in _count_params(cfg.actor_rollout_ref.model.path))
     trainer.fit()
+    policy.call("shutdown")
 
 
 def _count_params(path):

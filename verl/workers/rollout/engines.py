@@ -292,6 +292,11 @@ class VLLMEngine:
             torch.cuda.empty_cache()
         self.llm.wake_up()
 
+    def shutdown(self) -> None:
+        """Stop the engine core now; with a core of its own, its process and shared memory go too
+        (left to exit with this process, they are torn down in a race that logs spurious errors)."""
+        self.llm.llm_engine.engine_core.shutdown()
+
     @property
     def in_process(self) -> bool:
         """Whether vLLM's engine core (scheduler and model) runs in this process; with
