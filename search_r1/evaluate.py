@@ -70,7 +70,13 @@ class EvalConfig:
     template: str = "instruct"        # instruct: apply the chat template; base: plain text
     base_model: str | None = None     # config/tokenizer source when exporting a checkpoint
     label: str | None = None          # the model's name in the table
-    batch_size: int = 256             # questions per agent run (progress and memory)
+    batch_size: int = 1024            # questions per agent run (progress and memory)
+    # vLLM only. continuous: a question's next turn joins the running batch as soon as its passages
+    # arrive; sync: every turn waits for the batch's slowest. engine_core None: vLLM's scheduler in
+    # a process of its own on a GPU (it is CPU-bound at this concurrency), in this one on CPU.
+    # 3B agent rollout, 1,024 trajectories, one H100: a core of its own gave 1.61x (benchmarks/RESULTS.md).
+    schedule: str = "continuous"
+    engine_core: str | None = None    # in_process | separate | None
     gpu_memory_utilization: float = 0.8
     seed: int = 0
 
@@ -241,8 +247,17 @@ def build_engine(cfg: EvalConfig, model: str, max_model_len: int):
                         max_model_len, positions)
             max_model_len = positions
         kw = {} if on_gpu else {"kv_cache_memory_bytes": 1 << 30}  # no share-of-RAM probing on CPU
-        return VLLMEngine(model, seed=cfg.seed, max_model_len=max_model_len,
-                          gpu_memory_utilization=cfg.gpu_memory_utilization, **kw)
+        core = cfg.engine_core or ("separate" if on_gpu else "in_process")
+        if core not in ("in_process", "separate"):
+            raise ValueError(f"--engine-core {core!r}: use in_process or separate")
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if core == "separate" else "0"
+        engine = VLLMEngine(model, seed=cfg.seed, max_model_len=max_model_len,
+                            gpu_memory_utilization=cfg.gpu_memory_utilization, **kw)
+        if engine.in_process != (core == "in_process"):  # vLLM reads the variable once per process
+            engine.shutdown()
+            raise ValueError(f"--engine-core {core} could not be honoured: this process built an engine of "
+                             "the other kind before")
+        return engine
     raise ValueError(f"--engine {cfg.engine!r}: use vllm or hf")
 
 
@@ -294,7 +309,7 @@ def generate(cfg: EvalConfig, engine, prompts: list[list[int]]) -> list[dict]:
     """Per prompt: the response text and the agent's counts."""
     from tqdm import tqdm
 
-    from search_r1.agent.loop import STOP, AgentConfig, Finish, HTTPSearcher, SearchAgent
+    from search_r1.agent.loop import STOP, AgentConfig, Finish, HTTPSearcher, Schedule, SearchAgent
     from search_r1.retrieval.client import RetrieverConfig
     from verl.workers.rollout.engines import SamplingConfig
 
@@ -306,9 +321,12 @@ def generate(cfg: EvalConfig, engine, prompts: list[list[int]]) -> list[dict]:
     if cfg.mode == Mode.SEARCH:
         # The whole response may hold every turn's generation and observation.
         budget = (cfg.max_turns + 1) * cfg.max_response_length + cfg.max_turns * cfg.max_obs_length
+        schedule = Schedule(cfg.schedule)
+        if schedule == Schedule.CONTINUOUS and not hasattr(engine, "submit"):
+            schedule = Schedule.SYNC  # only vLLM adds requests to a running batch
         agent = SearchAgent(engine, HTTPSearcher(RetrieverConfig(url=cfg.retriever_url, topk=cfg.topk)),
                             AgentConfig(max_turns=cfg.max_turns, max_response_length=budget,
-                                        max_obs_length=cfg.max_obs_length, topk=cfg.topk))
+                                        max_obs_length=cfg.max_obs_length, topk=cfg.topk, schedule=schedule))
     results = []
     for lo in tqdm(range(0, len(prompts), cfg.batch_size), desc=f"eval {cfg.mode}", unit="batch"):
         batch = prompts[lo:lo + cfg.batch_size]
@@ -343,13 +361,19 @@ def run_eval(cfg: EvalConfig, engine=None) -> dict:
     prompts, retrieved = build_prompts(cfg, questions, tokenizer)
     log.info("%d questions from %s; longest prompt %d tokens", len(questions),
              ", ".join(dict.fromkeys(q.data_source for q in questions)), max(map(len, prompts)))
-    if engine is None:
+    own_engine = engine is None
+    if own_engine:
         response_budget = (cfg.max_turns + 1) * cfg.max_response_length + cfg.max_turns * cfg.max_obs_length
         engine = build_engine(cfg, model, max(map(len, prompts)) + (
             response_budget if cfg.mode == Mode.SEARCH else cfg.max_response_length))
+    try:
+        results = generate(cfg, engine, prompts)
+    finally:
+        if own_engine and hasattr(engine, "shutdown"):  # vLLM: end its core's process cleanly
+            engine.shutdown()
 
     records = []
-    for q, result, ids in zip(questions, generate(cfg, engine, prompts), retrieved):
+    for q, result, ids in zip(questions, results, retrieved):
         records.append({"data_source": q.data_source, "index": q.index, "question": q.question,
                         "golds": q.golds, "prediction": extract_answer(result["response"]), **result,
                         **({"retrieved": ids} if cfg.mode == Mode.RAG else {})})
@@ -437,6 +461,10 @@ def add_parser(subparsers) -> None:
                                         "(default: actor_rollout_ref.model.path of the run's config.yaml)")
     p.add_argument("--label", help="the model's name in the table (default: from --model)")
     p.add_argument("--batch-size", type=int, default=d.batch_size, help="questions per agent run")
+    p.add_argument("--schedule", choices=["continuous", "sync", "async"], default=d.schedule,
+                   help="vLLM: turns join the running batch when ready (continuous) or wait for the batch (sync)")
+    p.add_argument("--engine-core", choices=["in_process", "separate"],
+                   help="vLLM's scheduler in this process or its own (default: separate on a GPU)")
     p.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)
     p.add_argument("--seed", type=int, default=d.seed)
     p.set_defaults(func=main, eval_command="eval")
@@ -464,8 +492,8 @@ def main(args: argparse.Namespace) -> None:
         retriever_url=args.retriever_url, limit=args.limit, temperature=args.temperature,
         max_turns=args.max_turns, topk=args.topk, max_response_length=args.max_response_length,
         max_obs_length=args.max_obs_length, template=args.template, base_model=args.base_model,
-        label=args.label, batch_size=args.batch_size, gpu_memory_utilization=args.gpu_memory_utilization,
-        seed=args.seed))
+        label=args.label, batch_size=args.batch_size, schedule=args.schedule, engine_core=args.engine_core,
+        gpu_memory_utilization=args.gpu_memory_utilization, seed=args.seed))
 
 
 if __name__ == "__main__":  # `python -m search_r1.evaluate eval …`, as scripts/evaluate.sh runs it
