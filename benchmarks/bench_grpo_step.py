@@ -7,6 +7,11 @@ sync, FSDP2 actor, reference) for a few steps and prints the per-phase timings f
 
     python benchmarks/bench_grpo_step.py --shape 0.5b --steps 2 --prompts 64 --n 5   # one GPU
     python benchmarks/bench_grpo_step.py --quick                                     # CPU (CI)
+
+A random policy never writes `<search>`. `--search-every N` makes it search as a trained one does:
+`<search>` and `</search>` become single tokens of the model's tokenizer, and the trainer's
+`actor_rollout_ref.rollout.logit_bias` raises both so that each comes about once every N tokens
+(the bias that would give that rate if the logits were uniform; rows report the searches made).
 """
 from __future__ import annotations
 
@@ -35,6 +40,8 @@ def main(argv=None):
     p.add_argument("--gpus", type=int, default=1)
     p.add_argument("--max-turns", type=int, default=2)
     p.add_argument("--response-length", type=int, default=256, help="tokens per turn")
+    p.add_argument("--search-every", type=float, help="steer the random policy to write a search tag about "
+                   "once every this many tokens (default: it never searches)")
     p.add_argument("--retriever-url", help="use this running server (e.g. a dense one over 21M passages, "
                    "`search-r1 serve`) instead of a BM25 server over the bundled corpus")
     p.add_argument("--workdir", default="outputs/bench_grpo")
@@ -44,6 +51,7 @@ def main(argv=None):
     a = p.parse_args(argv)
     if a.quick:
         a.shape, a.steps, a.prompts, a.n, a.gpus, a.response_length = "tiny", 1, 2, 2, 1, 16
+        a.search_every = a.search_every or 4
     work = Path(a.workdir)
     work.mkdir(parents=True, exist_ok=True)
 
@@ -54,9 +62,17 @@ def main(argv=None):
     from search_r1.retrieval.build import build_bm25_index
 
     hidden, layers, heads, kv, inter = SHAPES[a.shape]
-    model = make_tiny_model(work / f"model_{a.shape}", tokenizer_from=a.tokenizer, hidden=hidden, layers=layers,
-                            heads=heads, kv_heads=kv, intermediate=inter, max_position_embeddings=8192,
-                            init_std=0.3 if a.shape == "tiny" else 0.02, dtype="bfloat16" if a.shape != "tiny" else "float32")
+    tokenizer, bias = a.tokenizer, {}
+    if a.search_every:
+        from bench_rollout import tag_bias, tagged_tokenizer
+        tokenizer = work / "tokenizer_with_tags"
+        tok = tagged_tokenizer(a.tokenizer, tokenizer)
+        bias = {tok.convert_tokens_to_ids(tag): round(tag_bias(len(tok), a.search_every), 3)
+                for tag in ("<search>", "</search>")}
+    model = make_tiny_model(work / f"model_{a.shape}{'_tags' if bias else ''}", tokenizer_from=tokenizer,
+                            hidden=hidden, layers=layers, heads=heads, kv_heads=kv, intermediate=inter,
+                            max_position_embeddings=8192, init_std=0.3 if a.shape == "tiny" else 0.02,
+                            dtype="bfloat16" if a.shape != "tiny" else "float32")
     for split in ("train", "test"):
         if not (work / f"{split}.parquet").exists():
             preprocess.main(["--bundled", "--split", split, "--out", str(work / f"{split}.parquet")])
@@ -89,6 +105,8 @@ def main(argv=None):
             f"trainer.total_training_steps={a.steps}", "trainer.val_before_train=false",
             "trainer.save_freq=-1", "trainer.logger=[console,jsonl]", f"trainer.default_local_dir={run_dir}",
             f"hydra.run.dir={run_dir / 'hydra'}", *a.overrides]
+    if bias:
+        args.append("actor_rollout_ref.rollout.logit_bias={" + ",".join(f"{t}:{b}" for t, b in bias.items()) + "}")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests" / "verl" / "trainer"),
                                                         os.environ.get("PYTHONPATH", "")])}
     t = time.perf_counter()
@@ -105,9 +123,10 @@ def main(argv=None):
     for row in rows:
         phases = {k.removeprefix("timing_s/"): round(v, 3) for k, v in row.items() if k.startswith("timing_s/")}
         out = {"device": device, "shape": a.shape, "gpus": a.gpus, "prompts": a.prompts, "n": a.n,
-               "step": row["step"], "phases_s": phases,
+               "search_every": a.search_every, "tag_bias": bias or None, "step": row["step"], "phases_s": phases,
                **{k: round(row[k], 4) for k in ("reward/mean", "grad_norm", "kl_loss", "response/length",
-                                                 "agent/searches", "throughput/generated_tokens_per_s",
+                                                 "agent/searches", "agent/turns", "response/observation_tokens",
+                                                 "throughput/generated_tokens_per_s",
                                                  "throughput/train_tokens_per_s", "throughput/mfu_actor_update")
                   if k in row}}
         print(json.dumps(out), flush=True)

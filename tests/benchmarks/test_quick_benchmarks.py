@@ -27,6 +27,8 @@ def test_quick(script, tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert rows, "no results written"
+    if script == "bench_grpo_step.py":  # --quick steers the random policy into searching (a logit bias)
+        assert all(row["agent/searches"] > 0 and row["response/observation_tokens"] > 0 for row in rows)
 
 
 def test_rollout_with_engine_core_in_its_own_process(tmp_path):

@@ -138,7 +138,8 @@ class PolicyWorker:
                  top_p: float, max_tokens: int) -> RolloutBatch:
         from verl.workers.rollout.engines import SamplingConfig
         self.wake_rollout()
-        trajectories = self.agent.run(prompts, SamplingConfig(temperature, top_p, max_tokens))
+        bias = self.cfg.actor_rollout_ref.rollout.logit_bias or None
+        trajectories = self.agent.run(prompts, SamplingConfig(temperature, top_p, max_tokens, logit_bias=bias))
         self.sleep_rollout()
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         batch = pack_trajectories(prompts, [t.response_ids for t in trajectories],

@@ -104,6 +104,9 @@ class RolloutConfig:
     admit_every_steps: int = 8  # continuous schedule: ready turns join the running batch together
     max_cudagraph_capture_size: int | None = 2048  # vLLM: largest step (tokens) run as a CUDA graph; None: vLLM's
     engine_core: str = "in_process"  # vLLM's scheduler + model in the worker's process, or "separate" (a child)
+    # token id -> added to its logit before sampling, in training and validation rollouts alike. The
+    # actor's log-probs do not see it: biased samples are off-policy by the bias (benchmarks, bans).
+    logit_bias: dict[int, float] | None = None
 
 
 @dataclass

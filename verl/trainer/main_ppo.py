@@ -24,7 +24,7 @@ def run(raw: DictConfig) -> None:
 
     from verl.single_controller.ray_group import LocalWorkerGroup, WorkerGroup, start_ray
     from verl.single_controller.workers import CriticWorker, PolicyWorker
-    from verl.trainer.config import derive_sizes, load_config
+    from verl.trainer.config import ConfigError, derive_sizes, load_config
     from verl.trainer.core_algos import AdvEstimator
     from verl.trainer.ppo_trainer import PPOTrainer
     from verl.utils.dataset import PromptSampler, load_examples
@@ -37,6 +37,9 @@ def run(raw: DictConfig) -> None:
     AdvEstimator(cfg.algorithm.adv_estimator)  # fails early on an unknown estimator
 
     tokenizer = AutoTokenizer.from_pretrained(cfg.actor_rollout_ref.model.path)
+    if unknown := [t for t in cfg.actor_rollout_ref.rollout.logit_bias or {} if not 0 <= t < len(tokenizer)]:
+        raise ConfigError(f"actor_rollout_ref.rollout.logit_bias: token ids {unknown} are not in the tokenizer "
+                          f"of {cfg.actor_rollout_ref.model.path} ({len(tokenizer)} tokens)")
     data = cfg.data
     train = load_examples(data.train_files, tokenizer, data.max_prompt_length, data.apply_chat_template,
                           data.train_data_num)

@@ -1,4 +1,5 @@
-"""Range checks of `load_config`: a value out of range fails at load time, naming its key."""
+"""Checks of `load_config` (a value out of range fails at load time, naming its key) and of the
+trainer's start-up checks that need the tokenizer."""
 from pathlib import Path
 
 import pytest
@@ -17,3 +18,26 @@ def test_gradient_checkpointing_ratio_in_range(key):
     assert OmegaConf.select(OmegaConf.structured(cfg), key) == 0.5
     with pytest.raises(ConfigError, match=key):
         load_config(OmegaConf.merge(OmegaConf.load(CONFIG), OmegaConf.from_dotlist(base + [f"{key}=1.5"])))
+
+
+def test_logit_bias_takes_token_ids_from_the_command_line():
+    from hydra import compose, initialize_config_dir
+    base = ["data.train_files=t.parquet", "actor_rollout_ref.model.path=m"]
+    with initialize_config_dir(config_dir=str(CONFIG.parent), version_base=None):
+        cfg = load_config(compose("ppo_trainer", overrides=base))
+        assert cfg.actor_rollout_ref.rollout.logit_bias is None
+        raw = compose("ppo_trainer", overrides=base + ["actor_rollout_ref.rollout.logit_bias={49152:2.5,7:-100}"])
+        assert load_config(raw).actor_rollout_ref.rollout.logit_bias == {49152: 2.5, 7: -100.0}
+        raw = compose("ppo_trainer", overrides=base + ["actor_rollout_ref.rollout.logit_bias={search:2.5}"])
+        with pytest.raises(ConfigError, match="actor_rollout_ref.rollout.logit_bias"):
+            load_config(raw)
+
+
+def test_logit_bias_outside_the_vocabulary_stops_the_trainer(tiny_model_dir, tmp_path):
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-m", "verl.trainer.main_ppo", f"data.train_files={tmp_path / 't.parquet'}",
+                        f"actor_rollout_ref.model.path={tiny_model_dir}", "actor_rollout_ref.rollout.logit_bias={10000000:1}",
+                        f"hydra.run.dir={tmp_path}"], cwd=CONFIG.parents[1], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2
+    assert "actor_rollout_ref.rollout.logit_bias: token ids [10000000] are not in the tokenizer" in r.stderr
