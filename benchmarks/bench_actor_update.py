@@ -139,9 +139,13 @@ def naive_logprobs_and_entropy(logits_NV, labels_N, temperature=1.0, with_entrop
 
 
 def time_updates(actor, batch, mini_batch_size: int, warmup: int, steps: int, gpu: bool):
-    """Seconds of the log-prob pass and of `update`, for each of `steps` steps after `warmup`."""
-    times_lp, times_up = [], []
+    """Seconds of the log-prob pass and of `update`, and the graphs torch.compile built in this process
+    during each (a recompilation is one cause of an outlier), for each of `steps` steps after `warmup`."""
+    from torch._dynamo.utils import counters
+
+    times_lp, times_up, compiles = [], [], []
     for i in range(warmup + steps):
+        graphs = counters["stats"]["unique_graphs"]
         if gpu:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -156,7 +160,8 @@ def time_updates(actor, batch, mini_batch_size: int, warmup: int, steps: int, gp
         if i >= warmup:
             times_lp.append(t1 - t0)
             times_up.append(t2 - t1)
-    return times_lp, times_up, metrics
+            compiles.append(counters["stats"]["unique_graphs"] - graphs)
+    return times_lp, times_up, compiles, metrics
 
 
 def run(a) -> list[dict]:
@@ -205,7 +210,7 @@ def run(a) -> list[dict]:
                           gradient_checkpointing=ratio, mixed_precision=gpu,
                           unsharded_accumulation=accumulation == "unsharded", attn_implementation=attn,
                           use_torch_compile=compiled == "compile")
-            times_lp, times_up, metrics = time_updates(actor, batch, n_local, a.warmup, a.steps, gpu)
+            times_lp, times_up, compiles, metrics = time_updates(actor, batch, n_local, a.warmup, a.steps, gpu)
         except torch.OutOfMemoryError:
             if distributed:
                 raise  # another rank may be waiting in a collective: stop everything
@@ -221,12 +226,16 @@ def run(a) -> list[dict]:
             profile_update(actor, batch, n_local, a.profile, f"{a.shape} {variant} checkpoint ratio {ratio:g}")
         elif a.profile:
             actor.update(batch, mini_batch_size=n_local, entropy_coef=0.0)  # every rank takes part
-        if distributed:
+        if distributed:  # the largest over the ranks
             mem_t = torch.tensor([mem or 0.0], device="cuda" if gpu else "cpu")
             dist.all_reduce(mem_t, op=dist.ReduceOp.MAX)
             mem = float(mem_t) if gpu else None
+            compiles_t = torch.tensor(compiles, device="cuda" if gpu else "cpu")
+            dist.all_reduce(compiles_t, op=dist.ReduceOp.MAX)
+            compiles = compiles_t.tolist()
         up, lp = min(times_up), min(times_lp)
         row = {**base, "update_s": round(up, 3), "update_s_all": [round(t, 3) for t in times_up],
+               "graphs_compiled_all": compiles,  # per timed step (log-probs + update), most on any rank
                "update_tokens_per_s": round(tokens / up), "update_tokens_per_s_per_gpu": round(tokens / up / world),
                "logprob_s": round(lp, 3), "logprob_tokens_per_s": round(tokens / lp),
                "peak_memory_gib": round(mem, 2) if mem is not None else None,
