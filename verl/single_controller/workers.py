@@ -154,7 +154,8 @@ class PolicyWorker:
         from verl.workers.fsdp import full_state_dict_iter
         t0 = time.perf_counter()
         self.wake_rollout()
-        self.engine.load_weights(full_state_dict_iter(self.actor.model))
+        # Gathered in the engine's dtype (bf16 on GPU: half the bytes of the fp32 master weights).
+        self.engine.load_weights(full_state_dict_iter(self.actor.model, dtype=self.engine.dtype))
         self.sleep_rollout()
         return time.perf_counter() - t0
 

@@ -409,15 +409,16 @@ def full_state_dict_iter(model: nn.Module, dtype: torch.dtype | None = None) -> 
     one full parameter exists beside the shards. A collective: every rank must consume the whole
     iterator. Names are those of the unwrapped HF model (FSDP2 adds no prefixes); tied weights come
     once (`named_parameters` removes duplicates, as the rollout engines expect)."""
+    def full(t):  # cast the shard, then gather: fewer bytes moved when dtype is narrower
+        return _full_tensor(t if dtype is None else t.to(dtype))
+
     for name, param in model.named_parameters():
-        full = _full_tensor(param.detach())
-        yield name, full.to(dtype) if dtype is not None else full
+        yield name, full(param.detach())
     for module_name, module in model.named_modules():
         for buf_name, buf in module.named_buffers(recurse=False):
             if buf is None or buf_name in module._non_persistent_buffers_set:
                 continue
-            full = _full_tensor(buf)
-            yield f"{module_name}.{buf_name}" if module_name else buf_name, full.to(dtype) if dtype is not None else full
+            yield f"{module_name}.{buf_name}" if module_name else buf_name, full(buf)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -313,11 +313,13 @@ def _fsdp_rank(rank, world, port, model_dir, batch_path, out_dir, unsharded):
         logprobs_BR = actor.compute_logprobs(part)
         actor_metrics = actor.update(part, mini_batch_size=len(part), **UPDATE_KW)
         actor_params = params_of(actor.model)  # a collective: every rank iterates
+        # as the weight push gathers them: shards cast to bf16 first
+        actor_params_bf16 = {n: t.clone() for n, t in full_state_dict_iter(actor.model, dtype=torch.bfloat16)}
         critic = Critic(model_dir, **CRITIC_KW, unsharded_accumulation=unsharded)
         critic_metrics = critic.update(part, mini_batch_size=len(part), clip_range_value=0.5)
         critic_params = params_of(critic.model)
         torch.save(dict(logprobs_BR=logprobs_BR, actor_metrics=actor_metrics, actor_params=actor_params,
-                        critic_metrics=critic_metrics, critic_params=critic_params), f"{out_dir}/rank{rank}.pt")
+                        actor_params_bf16=actor_params_bf16, critic_metrics=critic_metrics, critic_params=critic_params), f"{out_dir}/rank{rank}.pt")
     finally:
         dist.destroy_process_group()
 
@@ -341,6 +343,10 @@ def test_fsdp_world_size_2_matches_single_process(tiny_model_dir, batch, tmp_pat
     for r in ranks:
         assert max_diff(r["actor_params"], params_of(actor.model)) < 1e-5
         assert max_diff(r["critic_params"], params_of(critic.model)) < 1e-5
+        # cast before the gather: the same values as casting the gathered fp32 tensors
+        assert {n: t.dtype for n, t in r["actor_params_bf16"].items()} == {n: torch.bfloat16 for n in before}
+        assert max_diff({n: t.float() for n, t in r["actor_params_bf16"].items()},
+                        {n: t.to(torch.bfloat16).float() for n, t in r["actor_params"].items()}) == 0
     assert max_diff(params_of(actor.model), before) > 1e-4
     # The gradient norm is global: both ranks report the single-process value.
     for r in ranks:

@@ -229,3 +229,33 @@ def test_generate_one_keeps_biased_and_unbiased_calls_apart(engine, prompts):
     biased, unbiased = asyncio.run(run())
     assert biased.token_ids == [token] * 4
     assert unbiased == engine.generate(prompts[:1], plain, stop=[])[0]
+
+
+def test_vllm_load_weights_streams_the_tensors(vllm_engine, tiny_model, prompts, monkeypatch):
+    """In-process, each tensor is asked for while the engine is already loading the ones before it,
+    not all up front: a sharded actor then gathers one full parameter at a time, never a whole model."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+    original = load_file(str(Path(tiny_model) / "model.safetensors"))
+    loading, asked_while_loading = False, []
+    real_rpc = vllm_engine.llm.collective_rpc
+
+    def rpc(*args, **kwargs):  # the real call, marked as under way
+        nonlocal loading
+        loading = True
+        try:
+            return real_rpc(*args, **kwargs)
+        finally:
+            loading = False
+
+    def tensors():
+        for name, t in original.items():
+            asked_while_loading.append(loading)
+            yield name, t.clone()  # a fresh tensor, as a gather makes one
+
+    monkeypatch.setattr(vllm_engine.llm, "collective_rpc", rpc)
+    before = [g.token_ids for g in vllm_engine.generate(prompts, GREEDY, stop=[])]
+    vllm_engine.load_weights(tensors())
+    assert len(asked_while_loading) == len(original) and all(asked_while_loading)
+    assert [g.token_ids for g in vllm_engine.generate(prompts, GREEDY, stop=[])] == before

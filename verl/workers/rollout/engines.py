@@ -292,6 +292,11 @@ class VLLMEngine:
             torch.cuda.empty_cache()
         self.llm.wake_up()
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype of the engine's weights; pushed weights are cast to it."""
+        return self.llm.llm_engine.model_config.dtype
+
     def shutdown(self) -> None:
         """Stop the engine core now; with a core of its own, its process and shared memory go too
         (left to exit with this process, they are torn down in a race that logs spurious errors)."""
@@ -306,12 +311,16 @@ class VLLMEngine:
         return isinstance(self.llm.llm_engine.engine_core, InprocClient)
 
     def load_weights(self, named_tensors) -> None:
-        """Replace the weights in memory from (name, tensor) pairs with Hugging Face names."""
-        named = [(name, tensor.detach()) for name, tensor in named_tensors]
+        """Replace the weights in memory from (name, tensor) pairs with Hugging Face names.
+
+        In-process the pairs stream into the model: a gathered full parameter lives only while it
+        is copied (materialising them all would hold a whole extra model on every GPU of a sharded
+        actor). A core in another process takes them all at once, as one set of handles."""
+        named = ((name, tensor.detach()) for name, tensor in named_tensors)
         if self.in_process:
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named})
         else:  # handles to the tensors' memory cross to the engine's process, not the tensors
-            self.llm.collective_rpc("load_shared_weights", args=(shared_weights.pack(named),))
+            self.llm.collective_rpc("load_shared_weights", args=(shared_weights.pack(list(named)),))
         # Cached prefixes hold keys/values computed by the old weights.
         self.llm.reset_prefix_cache()
 
@@ -438,6 +447,10 @@ class HFEngine:
         pass
 
     @torch.no_grad()
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.dtype
+
     def load_weights(self, named_tensors) -> None:
         params = dict(self.model.named_parameters())
         for name, tensor in named_tensors:
