@@ -2,7 +2,6 @@
 
 import hashlib
 import json
-import time
 from pathlib import Path
 
 import pytest
@@ -49,9 +48,8 @@ def test_materialize_smollm2_is_plain_and_idempotent(smollm2):
     assert (config["model_type"], config["num_hidden_layers"], config["dtype"]) == ("llama", 30, "float32")
     assert (Path(smollm2) / "chat_template.jinja").is_file()
     written = (Path(smollm2) / "model.safetensors").stat().st_mtime_ns
-    start = time.perf_counter()
     assert materialize_smollm2(smollm2) == str(smollm2)
-    assert time.perf_counter() - start < 1 and (Path(smollm2) / "model.safetensors").stat().st_mtime_ns == written
+    assert (Path(smollm2) / "model.safetensors").stat().st_mtime_ns == written  # not converted again
 
 
 def test_smollm2_answers_alike_in_transformers_and_vllm(smollm2):
