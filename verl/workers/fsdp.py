@@ -291,7 +291,8 @@ class ValueModel(nn.Module):
         hidden_BTH = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                 use_cache=use_cache, **attention_kwargs).last_hidden_state
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
-        return self.value_head(hidden_BTH[:, keep]).squeeze(-1)  # [B, kept]
+        # [B, kept]; a copy, not a view: FSDP2 warns on (and an in-place op would break) a view output
+        return self.value_head(hidden_BTH[:, keep]).squeeze(-1).clone()
 
     def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None):
         self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=gradient_checkpointing_kwargs)
