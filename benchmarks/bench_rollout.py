@@ -357,8 +357,17 @@ def plain_hf(engine, prompts, n_tokens_B: list[int], sampling) -> tuple[float, d
     return time.perf_counter() - t0, {}
 
 
+def median_of(repeats: int, plain, *args) -> tuple[float, dict, list[float]]:
+    """`plain(*args)` `repeats` times: the run of median wall time (its seconds and statistics) and
+    every run's seconds. The plain baselines vary more from run to run than the agent loop does."""
+    runs = sorted((plain(*args) for _ in range(repeats)), key=lambda run: run[0])
+    wall_s, stats = runs[len(runs) // 2]
+    return wall_s, stats, [round(run[0], 3) for run in runs]
+
+
 def measure(engine_name: str, engine, plain, searcher, prompts_all, concurrencies, schedules, cfg, sampling,
-            common: dict, emit, profile: str | None = None, admit_every: tuple[int, ...] = (8,)) -> None:
+            common: dict, emit, profile: str | None = None, admit_every: tuple[int, ...] = (8,),
+            baseline_repeats: int = 1) -> None:
     from search_r1.agent.loop import Schedule
 
     for n in concurrencies:
@@ -373,21 +382,24 @@ def measure(engine_name: str, engine, plain, searcher, prompts_all, concurrencie
             extra = {"admit_every_steps": admit} if admit else {}
             agent, n_tokens_B, obs_ids_B = run_agent(engine, searcher, prompts, cfg_s, sampling, profile)
             log.info("%s: plain generation of the same %d tokens", engine_name, sum(n_tokens_B))
-            plain_s, plain_stats = plain(engine, prompts, n_tokens_B, sampling)
+            plain_s, plain_stats, plain_all = median_of(baseline_repeats, plain, engine, prompts, n_tokens_B, sampling)
             # The same, with each trajectory's observations appended to its prompt: the plain run
             # then also prefills them and decodes over contexts as long as the agent's last turn.
             log.info("%s: plain generation with the observations in the prompts", engine_name)
             with profiled(profile, f"plain with observations, {n} trajectories, after the {schedule} schedule"):
-                obs_s, obs_stats = plain(engine, [p + o for p, o in zip(prompts, obs_ids_B)], n_tokens_B, sampling)
+                obs_s, obs_stats, obs_all = median_of(baseline_repeats, plain, engine,
+                                                      [p + o for p, o in zip(prompts, obs_ids_B)], n_tokens_B, sampling)
             run = {**common, "engine": engine_name, "trajectories": n, "schedule": schedule, **extra}
-            plain_row = {**run, "mode": "plain", "wall_s": round(plain_s, 3), "model_tokens": sum(n_tokens_B),
+            plain_row = {**run, "mode": "plain", "wall_s": round(plain_s, 3), "wall_s_all": plain_all,
+                         "model_tokens": sum(n_tokens_B),
                          "tokens_per_s": round(sum(n_tokens_B) / plain_s, 1), "prompt_tokens": agent["prompt_tokens"],
                          **plain_stats}
             emit({**run, "mode": "agent", **agent,
                   "ratio_to_plain": round(agent["tokens_per_s"] / plain_row["tokens_per_s"], 3),
                   "ratio_to_plain_with_obs": round(obs_s / agent["wall_s"], 3)})
             emit(plain_row)
-            emit({**run, "mode": "plain_with_obs", "wall_s": round(obs_s, 3), "model_tokens": sum(n_tokens_B),
+            emit({**run, "mode": "plain_with_obs", "wall_s": round(obs_s, 3), "wall_s_all": obs_all,
+                  "model_tokens": sum(n_tokens_B),
                   "tokens_per_s": round(sum(n_tokens_B) / obs_s, 1),
                   "prompt_tokens": agent["prompt_tokens"] + agent["observation_tokens"], **obs_stats})
 
@@ -450,6 +462,8 @@ def main(argv=None):
     p.add_argument("--out", help="append one JSON row per measurement to this file")
     p.add_argument("--admit-every-steps", default="8",
                    help="continuous schedule: comma-separated values of AgentConfig.admit_every_steps, each timed")
+    p.add_argument("--baseline-repeats", type=int, default=1,
+                   help="run each plain baseline this many times and compare with the median (rows keep every wall)")
     p.add_argument("--profile", help="append a cProfile summary of every agent rollout and plain run with "
                                      "observations to this file "
                                      "(slows the loop's Python: rows measured so are for diagnosis only)")
@@ -554,7 +568,7 @@ def main(argv=None):
             log.info("tag logit bias %s", common["tag_bias"])
             sampling = SamplingConfig(temperature=1.0, top_p=1.0, max_tokens=cap, logit_bias=logit_bias)
             measure(name, engine, plain, searcher, prompts_all, concurrencies, schedules, cfg, sampling, common, emit,
-                    a.profile, tuple(int(k) for k in a.admit_every_steps.split(",")))
+                    a.profile, tuple(int(k) for k in a.admit_every_steps.split(",")), a.baseline_repeats)
     finally:
         server.stop()
     print_table(rows)

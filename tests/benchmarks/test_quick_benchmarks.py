@@ -33,12 +33,13 @@ def test_quick(script, tmp_path):
 
 def test_rollout_with_engine_core_in_its_own_process(tmp_path):
     """--engine-core separate puts vLLM's engine core in another process; the continuous schedule
-    then steps it through the inter-process client and still writes trajectories."""
+    then steps it through the inter-process client and still writes trajectories. The baselines run
+    three times each and the rows compare with the median."""
     if reason := vllm_skip_reason():
         pytest.skip(reason)
     out = tmp_path / "out.jsonl"
     args = [sys.executable, str(ROOT / "benchmarks" / "bench_rollout.py"), "--quick", "--engine", "vllm",
-            "--schedules", "continuous", "--engine-core", "separate",
+            "--schedules", "continuous", "--engine-core", "separate", "--baseline-repeats", "3",
             "--out", str(out), "--workdir", str(tmp_path / "work")]
     r = subprocess.run(args, capture_output=True, text=True, timeout=300, cwd=ROOT,
                        env={**os.environ, "PYTHONPATH": str(ROOT)})
@@ -47,3 +48,5 @@ def test_rollout_with_engine_core_in_its_own_process(tmp_path):
     assert rows and all(row["engine_core_client"] != "InprocClient" for row in rows)
     agent = [row for row in rows if row["mode"] == "agent"]
     assert agent and all(row["schedule"] == "continuous" and row["model_tokens"] > 0 for row in agent)
+    baselines = [row for row in rows if row["mode"] in ("plain", "plain_with_obs")]
+    assert baselines and all(len(row["wall_s_all"]) == 3 and row["wall_s"] == row["wall_s_all"][1] for row in baselines)
