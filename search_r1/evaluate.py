@@ -24,6 +24,7 @@ import logging
 import os
 import re
 import sys
+import time
 from collections import defaultdict
 from dataclasses import asdict, dataclass
 from enum import StrEnum
@@ -334,13 +335,15 @@ def generate(cfg: EvalConfig, engine, prompts: list[list[int]]) -> list[dict]:
             for t in agent.run(batch, sampling):
                 results.append({"response": decode(t.response_ids), "searches": t.searches, "turns": t.turns,
                                 "finish": str(t.finish), "response_tokens": len(t.response_ids),
+                                "model_tokens": sum(t.loss_mask),
                                 "retrieval_failed": t.retrieval_failed})
             continue
         for g in engine.generate(batch, sampling, [STOP[1]]):  # one turn, up to </answer>
             finish = (Finish.ANSWER if g.stop_reason == STOP[1] else
                       Finish.LENGTH if g.finish_reason == "length" else Finish.EOS)
             results.append({"response": decode(g.token_ids), "searches": 0, "turns": 1,
-                            "finish": str(finish), "response_tokens": len(g.token_ids)})
+                            "finish": str(finish), "response_tokens": len(g.token_ids),
+                            "model_tokens": len(g.token_ids)})
     return results
 
 
@@ -366,8 +369,10 @@ def run_eval(cfg: EvalConfig, engine=None) -> dict:
         response_budget = (cfg.max_turns + 1) * cfg.max_response_length + cfg.max_turns * cfg.max_obs_length
         engine = build_engine(cfg, model, max(map(len, prompts)) + (
             response_budget if cfg.mode == Mode.SEARCH else cfg.max_response_length))
+    start = time.perf_counter()
     try:
         results = generate(cfg, engine, prompts)
+        generate_s = time.perf_counter() - start
     finally:
         if own_engine and hasattr(engine, "shutdown"):  # vLLM: end its core's process cleanly
             engine.shutdown()
@@ -383,8 +388,11 @@ def run_eval(cfg: EvalConfig, engine=None) -> dict:
         for r in records:
             f.write(json.dumps({**r, **score_record(r)}, ensure_ascii=False) + "\n")
     settings = {k: v for k, v in asdict(cfg).items() if k not in ("model", "out", "label")}
+    # How fast the model answered (retrieval included, engine start-up not): model-written tokens per second.
+    speed = {"generate_s": round(generate_s, 3),
+             "model_tokens_per_s": round(sum(r["model_tokens"] for r in results) / max(generate_s, 1e-9), 1)}
     (out / f"eval_{cfg.mode}.json").write_text(json.dumps(
-        {"model": label, "model_input": cfg.model, "model_path": model, **settings, **scores},
+        {"model": label, "model_input": cfg.model, "model_path": model, **settings, **speed, **scores},
         indent=2, ensure_ascii=False) + "\n")
     method = f"{label} ({cfg.mode})"
     table = paper_table([(method, name, {s: m[key] for s, m in scores["per_source"].items()})
@@ -394,6 +402,7 @@ def run_eval(cfg: EvalConfig, engine=None) -> dict:
     macro = scores["macro"]
     print(f"macro average over {len(scores['per_source'])} sources, {scores['n']} questions: "
           + ", ".join(f"{m} {macro[m]:.3f}" for m in METRICS))
+    print(f"generated in {generate_s:.1f} s: {speed['model_tokens_per_s']:,.0f} model tokens/s")
     return scores
 
 

@@ -113,6 +113,7 @@ def test_eval_tiny_model_all_modes(mode, tiny_model_dir, test_parquet, bm25_serv
 
     saved = json.loads((tmp_path / f"eval_{mode}.json").read_text())
     assert saved["mode"] == mode and saved["model"] == "tiny" and saved["macro"] == scores["macro"]
+    assert saved["generate_s"] > 0 and saved["model_tokens_per_s"] > 0
     preds = [json.loads(l) for l in (tmp_path / f"predictions_{mode}.jsonl").read_text().splitlines()]
     assert len(preds) == 4
     for p in preds:
