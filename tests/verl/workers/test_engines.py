@@ -141,26 +141,41 @@ def test_async_vllm_engine_matches_offline_engine(tiny_model, vllm_engine, promp
     assert asyncio.run(run()) == vllm_engine.generate(prompts, GREEDY, stop=[])
 
 
+# Pushes noisy weights into a VLLMEngine and then the originals, from tensors on argv[3] ("cpu":
+# shared-memory handles when the core has its own process; "cuda": CUDA IPC handles).
 CHILD_CORE_SCRIPT = """
-import json, sys
+import json, sys, time
 from pathlib import Path
 import torch
 from safetensors.torch import load_file
 from verl.workers.rollout.engines import SamplingConfig, VLLMEngine
-model, prompts = sys.argv[1], json.loads(sys.argv[2])
+model, prompts, device = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
 engine = VLLMEngine(model, seed=0, max_model_len=512, kv_cache_memory_bytes=64 << 20)
 greedy = SamplingConfig(temperature=0, max_tokens=24)
 before = [g.token_ids for g in engine.generate(prompts, greedy, [])]
-original = load_file(str(Path(model) / "model.safetensors"))
+original = {k: v.to(device) for k, v in load_file(str(Path(model) / "model.safetensors")).items()}
 g = torch.Generator().manual_seed(0)
-engine.load_weights((k, v + 0.5 * torch.randn(v.shape, generator=g) if v.dim() == 2 else v)
-                    for k, v in original.items())
+noisy = {k: v + 0.5 * torch.randn(v.shape, generator=g).to(device) if v.dim() == 2 else v for k, v in original.items()}
+t0 = time.perf_counter()
+engine.load_weights(noisy.items())
+push_s = time.perf_counter() - t0
 changed = [g.token_ids for g in engine.generate(prompts, greedy, [])]
 engine.load_weights(original.items())
 after = [g.token_ids for g in engine.generate(prompts, greedy, [])]
-print("RESULT", json.dumps({"in_process": engine.in_process, "before": before, "changed": changed, "after": after}),
-      flush=True)
+engine.shutdown()
+print("RESULT", json.dumps({"in_process": engine.in_process, "before": before, "changed": changed, "after": after,
+                            "push_s": push_s}), flush=True)
 """
+
+
+def run_child_core_script(model: str, prompts, device: str, separate: bool) -> dict:
+    """CHILD_CORE_SCRIPT in a process of its own (vLLM reads VLLM_ENABLE_V1_MULTIPROCESSING once per process)."""
+    root = Path(__file__).resolve().parents[3]
+    r = subprocess.run([sys.executable, "-c", CHILD_CORE_SCRIPT, model, json.dumps(prompts), device],
+                       capture_output=True, text=True, timeout=300, cwd=root,
+                       env={**os.environ, "PYTHONPATH": str(root), "VLLM_ENABLE_V1_MULTIPROCESSING": str(int(separate))})
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(next(line for line in r.stdout.splitlines() if line.startswith("RESULT "))[7:])
 
 
 def test_vllm_engine_core_in_a_child_process(tiny_model, vllm_engine, prompts):
@@ -168,12 +183,7 @@ def test_vllm_engine_core_in_a_child_process(tiny_model, vllm_engine, prompts):
     rollout.engine_core=separate): the same generations as in-process, and weights pushed from this
     process (as shared-memory handles) take effect there and can be restored. A process of its own:
     vLLM reads the variable once per process."""
-    root = Path(__file__).resolve().parents[3]
-    r = subprocess.run([sys.executable, "-c", CHILD_CORE_SCRIPT, tiny_model, json.dumps(prompts)],
-                       capture_output=True, text=True, timeout=300, cwd=root,
-                       env={**os.environ, "PYTHONPATH": str(root), "VLLM_ENABLE_V1_MULTIPROCESSING": "1"})
-    assert r.returncode == 0, r.stderr[-3000:]
-    got = json.loads(next(line for line in r.stdout.splitlines() if line.startswith("RESULT "))[7:])
+    got = run_child_core_script(tiny_model, prompts, "cpu", separate=True)
     assert vllm_engine.in_process and not got["in_process"]
     assert got["before"] == [g.token_ids for g in vllm_engine.generate(prompts, GREEDY, stop=[])]
     assert got["changed"] != got["before"] and got["after"] == got["before"]
