@@ -3,7 +3,8 @@
 For each concurrency (trajectories in one rollout) and schedule (sync, async), the agent loop of
 `search_r1.agent.loop` runs with a real engine against a real retrieval server: the bundled MiniLM
 encoder and an exact index over the bundled corpus (BM25 would answer most gibberish queries with
-nothing: it drops hits that share no term with the query). Then ONE plain engine call generates, for
+nothing: it drops hits that share no term with the query). Then ONE plain engine call (or the
+median of --baseline-repeats such calls: this side varies more between runs) generates, for
 every trajectory, exactly as many tokens as the model wrote in it (loss_mask 1; observations
 excluded), from the same prompt, with the same sampling settings but no stop strings and EOS ignored.
 ratio = agent tokens/s ÷ plain tokens/s; the goal is ≥ 0.9 (tool calls must not stall the engine).
