@@ -8,6 +8,10 @@ in several processes so the load generator is not the bottleneck.
 
     python benchmarks/bench_server.py --n 21015324 --clients 1,16,64 --queries-per-request 8
     python benchmarks/bench_server.py --quick      # CPU smoke run (CI)
+
+`--serve` only runs the server (on `--port`, until stopped), e.g. as the retriever of a GRPO
+benchmark in the paper's setting; `--devices cuda:0,…,cuda:7` shards the vectors over those GPUs
+(21M × 768 fp16 is 32 GB: ≈ 4 GB each on 8), the encoder runs on the first.
 """
 from __future__ import annotations
 
@@ -68,10 +72,14 @@ def serve_synthetic(a):
     from bench_dense_search import make_vectors
 
     corpus, enc_dir = build_synthetic(a.n, a.dim, a.workdir, a.tokenizer, a.encoder_layers)
-    device = "cuda" if torch.cuda.is_available() and not a.quick else "cpu"
-    x = make_vectors(a.n, a.dim, device, torch.float16 if device == "cuda" else torch.float32)
-    index = ExactIndex(x, [device])
-    encoder = Encoder(enc_dir, device=device, spec=EncoderSpec.for_model("e5"), batch_size=512)
+    default = "cuda" if torch.cuda.is_available() and not a.quick else "cpu"
+    devices = a.devices.split(",") if a.devices else [default]
+    dtype = torch.float16 if devices[0].startswith("cuda") else torch.float32
+    # One device: made in place. Several: made in host memory, then each shard copied to its GPU.
+    x = make_vectors(a.n, a.dim, devices[0] if len(devices) == 1 else "cpu", dtype)
+    index = ExactIndex(x, devices)
+    del x
+    encoder = Encoder(enc_dir, device=devices[0], spec=EncoderSpec.for_model("e5"), batch_size=512)
     retriever = DenseRetriever(encoder, index, Corpus(corpus), "synthetic")
     serve(retriever, ServerConfig(max_batch=a.max_batch, max_wait_ms=a.max_wait_ms,
                                   max_pending=1 << 20), port=a.port, name="synthetic-e5")
@@ -134,7 +142,9 @@ def main(argv=None):
     p.add_argument("--workdir", default="outputs/bench_server")
     p.add_argument("--quick", action="store_true", help="tiny CPU run (CI)")
     p.add_argument("--out", help="append results as JSON lines")
-    p.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--devices", help="comma-separated devices to shard the vectors over (default: one GPU, "
+                   "or the CPU); the encoder runs on the first")
+    p.add_argument("--serve", action="store_true", help="only run the server, until stopped (no clients)")
     a = p.parse_args(argv)
     from search_r1.retrieval.models import resolve_model
     a.tokenizer = resolve_model(a.tokenizer)

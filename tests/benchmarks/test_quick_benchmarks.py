@@ -22,6 +22,8 @@ def test_quick(script, tmp_path):
     if script in ("bench_corpus.py", "bench_server.py", "bench_grpo_step.py", "bench_actor_update.py",
                   "bench_rollout.py"):
         args += ["--workdir", str(tmp_path / "work")]
+    if script == "bench_server.py":
+        args += ["--devices", "cpu,cpu"]  # the vectors sharded in two, as over several GPUs
     r = subprocess.run(args, capture_output=True, text=True, timeout=300, cwd=ROOT,
                        env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert r.returncode == 0, r.stderr[-3000:]
