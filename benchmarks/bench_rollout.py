@@ -72,7 +72,6 @@ import cProfile
 import json
 import logging
 import math
-import os
 import pstats
 import sys
 import time
@@ -553,9 +552,8 @@ def main(argv=None):
                                                   ("max_cudagraph_capture_size", a.max_cudagraph_capture_size)) if v}
                 if compilation:
                     kw["compilation_config"] = compilation
-                # VLLMEngine keeps the core in-process unless this variable says otherwise.
-                os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if a.engine_core == "separate" else "0"
-                engine = VLLMEngine(model, seed=a.seed, max_model_len=max_model_len, **kw)
+                engine = VLLMEngine(model, seed=a.seed, max_model_len=max_model_len,
+                                    separate_core=a.engine_core == "separate", **kw)
                 common["engine_core_client"] = type(engine.llm.llm_engine.engine_core).__name__  # InprocClient or not
                 plain = plain_vllm
             else:

@@ -251,14 +251,8 @@ def build_engine(cfg: EvalConfig, model: str, max_model_len: int):
         core = cfg.engine_core or ("separate" if on_gpu else "in_process")
         if core not in ("in_process", "separate"):
             raise ValueError(f"--engine-core {core!r}: use in_process or separate")
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if core == "separate" else "0"
-        engine = VLLMEngine(model, seed=cfg.seed, max_model_len=max_model_len,
-                            gpu_memory_utilization=cfg.gpu_memory_utilization, **kw)
-        if engine.in_process != (core == "in_process"):  # vLLM reads the variable once per process
-            engine.shutdown()
-            raise ValueError(f"--engine-core {core} could not be honoured: this process built an engine of "
-                             "the other kind before")
-        return engine
+        return VLLMEngine(model, seed=cfg.seed, max_model_len=max_model_len,
+                          gpu_memory_utilization=cfg.gpu_memory_utilization, separate_core=core == "separate", **kw)
     raise ValueError(f"--engine {cfg.engine!r}: use vllm or hf")
 
 

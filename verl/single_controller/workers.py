@@ -66,10 +66,9 @@ class PolicyWorker:
             if rollout.engine_core not in ("in_process", "separate"):
                 raise ValueError(f"actor_rollout_ref.rollout.engine_core={rollout.engine_core!r}: use in_process "
                                  "or separate")
-            separate = rollout.engine_core == "separate"
             # A core of its own keeps vLLM's CPU-bound scheduler away from the agent loop's Python
             # (3B, 1,024 trajectories: 1.61x the rollout throughput, see benchmarks/RESULTS.md).
-            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if separate else "0"
+            separate = rollout.engine_core == "separate"
             kw = {}
             if self.sizes.world > 1 and not separate:  # each process is one data-parallel rank of vLLM
                 kw["distributed_executor_backend"] = "external_launcher"
@@ -82,10 +81,8 @@ class PolicyWorker:
                                      max_model_len=rollout.max_model_len or budget,
                                      enable_sleep_mode=rollout.enable_sleep and self.device == "cuda",
                                      enforce_eager=rollout.enforce_eager,
-                                     tensor_parallel_size=rollout.tensor_model_parallel_size, **kw)
-            if self.engine.in_process == separate:  # vLLM reads the variable once per process
-                raise RuntimeError(f"actor_rollout_ref.rollout.engine_core={rollout.engine_core} could not be "
-                                   "honoured: an engine of the other kind was built in this process before")
+                                     tensor_parallel_size=rollout.tensor_model_parallel_size,
+                                     separate_core=separate, **kw)
         elif rollout.name == "hf":
             self.engine = HFEngine(path, device=self.device,
                                    dtype="bfloat16" if self.device == "cuda" else "float32",

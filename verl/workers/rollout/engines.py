@@ -200,11 +200,14 @@ class VLLMEngine:
         dtype: str = "auto",
         enable_sleep_mode: bool = False,
         enforce_eager: bool | None = None,  # None: eager on CPU (compiling takes minutes), graphs on GPU
+        separate_core: bool | None = None,  # None: as VLLM_ENABLE_V1_MULTIPROCESSING says (unset: False)
         **kw,  # passed to vllm.LLM, e.g. kv_cache_memory_bytes, tensor_parallel_size
     ):
         # By default the engine core stays in this process: weight updates reach the model directly
-        # and no process is spawned. A child process (=1) frees the scheduler from this process's
-        # Python at high concurrency.
+        # and no process is spawned. A child process frees the scheduler from this process's Python
+        # at high concurrency.
+        if separate_core is not None:
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if separate_core else "0"
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         from vllm import LLM
 
@@ -221,6 +224,10 @@ class VLLMEngine:
                 worker_extension_cls="verl.workers.rollout.shared_weights.SharedWeightsReceiver",
                 **kw,
             )
+        if separate_core is not None and self.in_process == separate_core:  # vLLM reads the variable once per process
+            self.shutdown()
+            raise ValueError(f"vLLM's engine core cannot run {'in a child process' if separate_core else 'in this process'}"
+                             ": this process built an engine of the other kind before")
         self.tokenizer = self.llm.get_tokenizer()
         self._batcher = _MicroBatcher(self.generate)
         self._live: dict[str, int] = {}  # continuous batching: vLLM request id -> caller's key
