@@ -123,7 +123,8 @@ def main(argv=None):
     for row in rows:
         phases = {k.removeprefix("timing_s/"): round(v, 3) for k, v in row.items() if k.startswith("timing_s/")}
         out = {"device": device, "shape": a.shape, "gpus": a.gpus, "prompts": a.prompts, "n": a.n,
-               "search_every": a.search_every, "tag_bias": bias or None, "step": row["step"], "phases_s": phases,
+               "search_every": a.search_every, "tag_bias": bias or None, "overrides": a.overrides,
+               "step": row["step"], "phases_s": phases,
                **{k: round(row[k], 4) for k in ("reward/mean", "grad_norm", "kl_loss", "response/length",
                                                  "agent/searches", "agent/turns", "response/observation_tokens",
                                                  "throughput/generated_tokens_per_s",

@@ -4,6 +4,7 @@ The driver calls them through Ray (see ray_group.py); every method takes and ret
 (RolloutBatch on CPU, dicts of floats)."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -39,6 +40,48 @@ def rendezvous() -> tuple[str, int]:
         return ray.util.get_node_ip_address(), s.getsockname()[1]
 
 
+def separate_engine_core(rollout, device: str) -> bool:
+    """Whether vLLM's engine core gets a process of its own (rollout.engine_core; auto: on a GPU).
+    There it keeps vLLM's CPU-bound scheduler away from the agent loop's Python (3B on one H100:
+    rollout 1.6x at 1,024 trajectories, GRPO step 1.04x; benchmarks/RESULTS.md). On CPU its busy
+    loop would take a core from the trainer."""
+    if rollout.engine_core not in ("auto", "in_process", "separate"):
+        raise ValueError(f"actor_rollout_ref.rollout.engine_core={rollout.engine_core!r}: use auto, in_process "
+                         "or separate")
+    return rollout.engine_core == "separate" or (rollout.engine_core == "auto" and device == "cuda")
+
+
+def agent_schedule(rollout, device: str) -> str:
+    """The agent loop's schedule (rollout.schedule; auto: continuous where the engine can step, i.e.
+    vLLM, on a GPU, and sync otherwise)."""
+    if rollout.schedule != "auto":
+        return rollout.schedule
+    return "continuous" if rollout.name == "vllm" and device == "cuda" else "sync"
+
+
+@contextlib.contextmanager
+def explain_out_of_memory(what: str, rollout):
+    """Re-raise a GPU out-of-memory error of `what` with the keys that make room. vLLM reports a
+    failed allocation on wake-up as a plain RuntimeError (or Exception, from its child process)."""
+    try:
+        yield
+    except Exception as error:
+        if "out of memory" not in str(error).lower():
+            raise
+        gib = 1 << 30
+        free, total = torch.cuda.mem_get_info() if torch.cuda.is_available() else (0, 0)
+        held = torch.cuda.memory_reserved() if torch.cuda.is_available() else 0
+        copy = (" With engine_core=separate a push holds a whole copy of the weights in the engine's dtype; "
+                "in_process streams them one tensor at a time." if rollout.engine_core != "in_process" else "")
+        raise RuntimeError(
+            f"out of GPU memory {what}: the engine takes actor_rollout_ref.rollout.gpu_memory_utilization="
+            f"{rollout.gpu_memory_utilization} of the GPU ({rollout.gpu_memory_utilization * total / gib:.1f} GiB) "
+            f"while the actor, its optimizer state and the reference in this process hold {held / gib:.1f} GiB "
+            f"({free / gib:.1f} of {total / gib:.1f} GiB free). Lower actor_rollout_ref.rollout.gpu_memory_utilization, "
+            "set actor_rollout_ref.actor.fsdp_config.optimizer_offload=true, or shard over more GPUs "
+            f"(trainer.n_gpus_per_node).{copy}") from error
+
+
 def _warmup_steps(optim, total_steps: int) -> int:
     return int(optim.lr_warmup_steps_ratio * total_steps)
 
@@ -63,12 +106,7 @@ class PolicyWorker:
         budget = cfg.data.max_prompt_length + (cfg.max_turns + 1) * cfg.data.max_response_length + \
             cfg.max_turns * cfg.data.max_obs_length
         if rollout.name == "vllm":
-            if rollout.engine_core not in ("in_process", "separate"):
-                raise ValueError(f"actor_rollout_ref.rollout.engine_core={rollout.engine_core!r}: use in_process "
-                                 "or separate")
-            # A core of its own keeps vLLM's CPU-bound scheduler away from the agent loop's Python
-            # (3B, 1,024 trajectories: 1.61x the rollout throughput, see benchmarks/RESULTS.md).
-            separate = rollout.engine_core == "separate"
+            separate = separate_engine_core(rollout, self.device)
             kw = {}
             if self.sizes.world > 1 and not separate:  # each process is one data-parallel rank of vLLM
                 kw["distributed_executor_backend"] = "external_launcher"
@@ -93,7 +131,8 @@ class PolicyWorker:
         self.agent = load_agent_loop(rollout.agent_loop)(
             self.engine, max_turns=cfg.max_turns, max_response_length=cfg.data.max_response_length,
             max_obs_length=cfg.data.max_obs_length, retriever_url=cfg.retriever.url,
-            topk=cfg.retriever.topk, schedule=rollout.schedule, admit_every_steps=rollout.admit_every_steps)
+            topk=cfg.retriever.topk, schedule=agent_schedule(rollout, self.device),
+            admit_every_steps=rollout.admit_every_steps)
         a = arr.actor
         self.actor = Actor(
             path, lr=a.optim.lr, weight_decay=a.optim.weight_decay, betas=tuple(a.optim.betas),
@@ -128,7 +167,8 @@ class PolicyWorker:
 
     def wake_rollout(self):
         if self._asleep:
-            self.engine.wake()
+            with explain_out_of_memory("waking the rollout engine", self.cfg.actor_rollout_ref.rollout):
+                self.engine.wake()
             self._asleep = False
 
     def generate(self, prompts: list[list[int]], group_ids: list[int], temperature: float,
@@ -152,7 +192,9 @@ class PolicyWorker:
         t0 = time.perf_counter()
         self.wake_rollout()
         # Gathered in the engine's dtype (bf16 on GPU: half the bytes of the fp32 master weights).
-        self.engine.load_weights(full_state_dict_iter(self.actor.model, dtype=self.engine.dtype))
+        with explain_out_of_memory("pushing the actor's weights into the rollout engine",
+                                   self.cfg.actor_rollout_ref.rollout):
+            self.engine.load_weights(full_state_dict_iter(self.actor.model, dtype=self.engine.dtype))
         self.sleep_rollout()
         return time.perf_counter() - t0
 

@@ -100,10 +100,13 @@ class RolloutConfig:
     log_prob_micro_batch_size: int = 128
     max_model_len: int | None = None
     agent_loop: str | None = None
-    schedule: str = "sync"
-    admit_every_steps: int = 8  # continuous schedule: ready turns join the running batch together
+    # sync | async | continuous | auto: continuous with vLLM on a GPU (3B, one H100: the rollout 1.16x,
+    # the GRPO step 1.07x faster than sync), sync otherwise (the HF engine cannot step; CPU as measured)
+    schedule: str = "auto"
+    admit_every_steps: int = 32  # continuous schedule: ready turns join the running batch together
     max_cudagraph_capture_size: int | None = 2048  # vLLM: largest step (tokens) run as a CUDA graph; None: vLLM's
-    engine_core: str = "in_process"  # vLLM's scheduler + model in the worker's process, or "separate" (a child)
+    # in_process | separate (vLLM's scheduler + model in a child process) | auto: separate on a GPU
+    engine_core: str = "auto"
     # token id -> added to its logit before sampling, in training and validation rollouts alike. The
     # actor's log-probs do not see it: biased samples are off-policy by the bias (benchmarks, bans).
     logit_bias: dict[int, float] | None = None

@@ -1,0 +1,62 @@
+"""PolicyWorker's choices that depend on the device, and its handling of a rollout engine that runs
+out of GPU memory. The failing engine is a stand-in: running a real GPU out of memory is outside
+what a CPU test can do."""
+import pytest
+
+from verl.single_controller.workers import PolicyWorker, agent_schedule, separate_engine_core
+from verl.trainer.config import RolloutConfig, TrainerConfig
+
+
+def test_auto_schedule_and_engine_core_follow_the_device():
+    rollout = RolloutConfig()
+    assert (rollout.schedule, rollout.engine_core) == ("auto", "auto")
+    assert agent_schedule(rollout, "cuda") == "continuous" and separate_engine_core(rollout, "cuda")
+    assert agent_schedule(rollout, "cpu") == "sync" and not separate_engine_core(rollout, "cpu")
+    hf = RolloutConfig(name="hf")
+    assert agent_schedule(hf, "cuda") == "sync"  # the HF engine cannot step
+    explicit = RolloutConfig(schedule="async", engine_core="in_process")
+    assert agent_schedule(explicit, "cuda") == "async" and not separate_engine_core(explicit, "cuda")
+    assert separate_engine_core(RolloutConfig(engine_core="separate"), "cpu")
+    with pytest.raises(ValueError, match="engine_core='child'"):
+        separate_engine_core(RolloutConfig(engine_core="child"), "cuda")
+
+
+class EngineOutOfMemory:
+    def __init__(self, error: Exception):
+        self.error = error
+
+    def wake(self):
+        raise self.error
+
+
+def asleep_worker(engine, engine_core: str) -> PolicyWorker:
+    worker = object.__new__(PolicyWorker)  # only the fields wake_rollout reads
+    worker.cfg = TrainerConfig()
+    worker.cfg.actor_rollout_ref.rollout.gpu_memory_utilization = 0.4
+    worker.cfg.actor_rollout_ref.rollout.engine_core = engine_core
+    worker.engine = engine
+    worker._asleep = True
+    return worker
+
+
+@pytest.mark.parametrize("engine_core", ["in_process", "separate"])
+def test_out_of_memory_on_wake_names_the_keys_to_change(engine_core):
+    # The text vLLM's child-process core returns for a failed cuMemCreate on wake_up.
+    oom = Exception("Call to wake_up method failed: CUDA Error: out of memory at cumem_allocator.cpp:163")
+    worker = asleep_worker(EngineOutOfMemory(oom), engine_core)
+    with pytest.raises(RuntimeError) as caught:
+        worker.wake_rollout()
+    message = str(caught.value)
+    assert message.startswith("out of GPU memory waking the rollout engine")
+    assert "gpu_memory_utilization=0.4" in message
+    assert "actor_rollout_ref.actor.fsdp_config.optimizer_offload=true" in message
+    assert ("in_process streams them" in message) == (engine_core == "separate")
+    assert caught.value.__cause__ is oom
+    assert worker._asleep  # still asleep: nothing pretends the engine is up
+
+
+def test_other_wake_errors_pass_through():
+    error = ValueError("something else")
+    worker = asleep_worker(EngineOutOfMemory(error), "auto")
+    with pytest.raises(ValueError, match="something else"):
+        worker.wake_rollout()
