@@ -11,6 +11,13 @@ ratio = agent tokens/s ÷ plain tokens/s; the goal is ≥ 0.9 (tool calls must n
 A second plain call puts each trajectory's observation tokens at the end of its prompt
 (`ratio_to_plain_with_obs`): it prefills them too and decodes over contexts as long as the agent's
 final ones, which bounds from the other side what the observations themselves cost.
+A third baseline (vLLM only) replays the agent's own turns without its tools (`ratio_to_replay`):
+each trajectory's turns in order, each writing as many tokens as the agent's did, its observation
+appended the moment the turn ends and admitted as the continuous schedule admits turns. The engine
+then does the agent's work — the same requests, prefills and contexts — with no search to wait for
+and no parsing: the ratio is what the tool calls and the loop cost the engine, the goal's own words.
+Every vLLM row also summarises the engine core's timeline (`StepTimer`: its steps, batch, the tail
+where it runs below a quarter of its width, idle gaps); `--timeline FILE` keeps the whole of it.
 The HF fallback runs the same loop at a smaller concurrency, and its tokens/s are compared with
 vLLM's at that concurrency.
 
@@ -201,7 +208,15 @@ class StepTimer:
     in-process engine is idle. Steps that begin with requests waiting to be scheduled ("admission
     steps": they prefill the new requests next to the running decodes) are also timed apart.
     `prefix_cached_frac` is over ALL prompt tokens of all requests, first prompts and new
-    observations included, which the cache cannot hold: it is not the hit rate on re-sent history."""
+    observations included, which the cache cannot hold: it is not the hit rate on re-sent history.
+
+    It also keeps the engine core's own timeline: every core step's time stamp (taken in the core,
+    on the system's monotonic clock, so also when the core runs in a process of its own and steps
+    ahead of this one) and how many requests it advanced. From it, `core_span_s` (first to last
+    core step), `tail_s` (time in core steps that advanced fewer than a quarter of the run's largest
+    batch: the end of the rollout, where the engine runs far below its width) and `core_gaps_s` (the
+    intervals between core steps longer than 10 median steps, less one median step each: the core
+    idle, waiting for requests; an admission step takes 4-6 median steps)."""
 
     def __init__(self, engine):
         self.llm_engine = getattr(getattr(engine, "llm", None), "llm_engine", None)
@@ -209,6 +224,8 @@ class StepTimer:
         self.scheduler = getattr(core, "scheduler", None)  # in-process engine core only
         self.steps, self.step_s, self.prompt_tokens, self.cached_tokens = 0, 0.0, 0, 0
         self.admission_steps, self.admission_step_s = 0, 0.0
+        self.core_client = getattr(self.llm_engine, "engine_core", None)
+        self.core_steps: list[tuple[float, int]] = []  # (core's monotonic time stamp, requests advanced)
 
     def __enter__(self):
         if self.llm_engine is not None:
@@ -231,11 +248,22 @@ class StepTimer:
                 return outputs
 
             self.llm_engine.step = step
+            inner_get = self.core_client.get_output
+
+            def get_output():
+                outputs = inner_get()
+                if outputs.outputs:
+                    self.core_steps.append((getattr(outputs, "timestamp", 0.0) or time.monotonic(),
+                                            len(outputs.outputs)))
+                return outputs
+
+            self.core_client.get_output = get_output
         return self
 
     def __exit__(self, *exc):
         if self.llm_engine is not None:
-            del self.llm_engine.step  # the instance attribute: the class's method shows again
+            del self.llm_engine.step  # the instance attributes: the classes' methods show again
+            del self.core_client.get_output
 
     def stats(self, wall_s: float) -> dict:
         if self.llm_engine is None:
@@ -245,7 +273,27 @@ class StepTimer:
                  "prefix_cached_frac": round(self.cached_tokens / max(1, self.prompt_tokens), 3)}
         if self.scheduler is not None:
             stats |= {"admission_steps": self.admission_steps, "admission_step_s": round(self.admission_step_s, 3)}
-        return stats
+        return stats | core_timeline_stats(self.core_steps)
+
+    def timeline(self) -> dict:
+        """The core steps as seconds from the first and requests advanced (for --timeline)."""
+        t0 = self.core_steps[0][0] if self.core_steps else 0.0
+        return {"t": [round(t - t0, 5) for t, _ in self.core_steps], "batch": [n for _, n in self.core_steps]}
+
+
+def core_timeline_stats(core_steps: list[tuple[float, int]]) -> dict:
+    """Summary of a core timeline [(time stamp, requests advanced)]; see StepTimer."""
+    if len(core_steps) < 2:
+        return {}
+    times = [t for t, _ in core_steps]
+    gaps = [b - a for a, b in zip(times, times[1:])]  # gaps[i] ends at core step i + 1
+    median = sorted(gaps)[len(gaps) // 2]
+    widest = max(n for _, n in core_steps)
+    tail = [gap for gap, (_, n) in zip(gaps, core_steps[1:]) if 4 * n < widest]
+    return {"core_steps": len(core_steps), "core_span_s": round(times[-1] - times[0], 3),
+            "core_mean_batch": round(sum(n for _, n in core_steps) / len(core_steps), 1),
+            "tail_steps": len(tail), "tail_s": round(sum(tail), 3),
+            "core_gaps_s": round(sum(gap - median for gap in gaps if gap > 10 * median), 3)}
 
 
 @contextlib.contextmanager
@@ -265,10 +313,23 @@ def profiled(path: str | None, title: str):
         stats.sort_stats("cumulative").print_stats(40)
 
 
-def run_agent(engine, searcher: TimedSearcher, prompts, cfg, sampling, profile: str | None = None
-              ) -> tuple[dict, list[int], list[list[int]]]:
-    """One rollout; returns its statistics, the number of model tokens of every trajectory and its
-    observation tokens. With `profile`, appends the rollout's cProfile to that file."""
+def turns_of(t) -> list[tuple[int, list[int]]]:
+    """A trajectory as its turns: (model tokens written, observation ids appended after them)."""
+    turns: list[list] = []
+    for token, model in zip(t.response_ids, t.loss_mask):
+        if not turns or (model and turns[-1][1]):  # a model token after an observation opens a turn
+            turns.append([0, []])
+        if model:
+            turns[-1][0] += 1
+        else:
+            turns[-1][1].append(token)
+    return [(n, obs) for n, obs in turns]
+
+
+def run_agent(engine, searcher: TimedSearcher, prompts, cfg, sampling, profile: str | None = None,
+              timeline: list | None = None) -> tuple[dict, list[list[tuple[int, list[int]]]]]:
+    """One rollout; returns its statistics and every trajectory's turns (`turns_of`). With
+    `profile`, appends the rollout's cProfile to that file; with `timeline`, appends its core steps."""
     from search_r1.agent.loop import SearchAgent
 
     searcher.intervals.clear()
@@ -277,8 +338,9 @@ def run_agent(engine, searcher: TimedSearcher, prompts, cfg, sampling, profile: 
     with StepTimer(engine) as timer, profiled(profile, f"agent, {len(prompts)} trajectories, {cfg.schedule} schedule"):
         trajectories = SearchAgent(engine, searcher, cfg).run(prompts, sampling)
     wall_s = time.perf_counter() - t0
+    if timeline is not None:
+        timeline.append(timer.timeline())
     model_tokens_B = [sum(t.loss_mask) for t in trajectories]
-    obs_ids_B = [[i for i, m in zip(t.response_ids, t.loss_mask) if not m] for t in trajectories]
     n, turns = len(trajectories), sum(t.turns for t in trajectories)
     return {
         "wall_s": round(wall_s, 3),
@@ -296,12 +358,12 @@ def run_agent(engine, searcher: TimedSearcher, prompts, cfg, sampling, profile: 
         "searches_without_passages": searcher.empty,
         "retrieval_failed": sum(t.retrieval_failed for t in trajectories),
         **timer.stats(wall_s),
-    }, model_tokens_B, obs_ids_B
+    }, [turns_of(t) for t in trajectories]
 
 
-def plain_vllm(engine, prompts, n_tokens_B: list[int], sampling) -> tuple[float, dict]:
+def plain_vllm(engine, prompts, n_tokens_B: list[int], sampling, timeline: list | None = None) -> tuple[float, dict]:
     """One `LLM.generate` call: exactly n_tokens_B[i] new tokens for prompt i. Returns seconds and
-    the engine-step statistics."""
+    the engine-step statistics; with `timeline`, appends its core steps."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -312,10 +374,64 @@ def plain_vllm(engine, prompts, n_tokens_B: list[int], sampling) -> tuple[float,
         outputs = engine.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params,
                                       use_tqdm=False)
     wall_s = time.perf_counter() - t0
+    if timeline is not None:
+        timeline.append(timer.timeline())
     got = [len(o.outputs[0].token_ids) for o in outputs]
     if got != n_tokens_B:
         raise RuntimeError(f"plain vLLM run generated {sum(got)} tokens instead of {sum(n_tokens_B)}")
     return wall_s, {k: v for k, v in timer.stats(wall_s).items() if k != "prefix_cached_frac"}
+
+
+def replay_vllm(engine, prompts, turns_B: list[list[tuple[int, list[int]]]], sampling, admit_every: int,
+                timeline: list | None = None) -> tuple[float, dict]:
+    """The agent's rollout without its tools: every trajectory's turns in order, turn k writing
+    exactly as many tokens as the agent's turn k did (EOS ignored, no stop strings), its observation
+    ids appended the moment it ends (no search to wait for, no parsing), and the turns ready to go
+    on joining the running batch every `admit_every` steps, as the continuous schedule admits them.
+    The engine gets the same requests, prefills and context lengths as in the agent's rollout; what
+    the agent takes beyond this is the time its tool calls and its own loop cost the engine."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+    from vllm.sampling_params import RequestOutputKind
+
+    llm_engine = engine.llm.llm_engine
+    contexts_B = [list(p) for p in prompts]
+    next_turn_B = [0] * len(prompts)
+    ready, live = [i for i, turns in enumerate(turns_B) if turns], set()
+    steps_since_admit, written = 0, 0
+    t0 = time.perf_counter()
+    with StepTimer(engine) as timer:
+        while live or ready:
+            if ready and (steps_since_admit >= admit_every or not live):
+                for i in ready:
+                    k = next_turn_B[i]
+                    params = SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p,
+                                            max_tokens=turns_B[i][k][0], ignore_eos=True,
+                                            logit_bias=sampling.logit_bias)
+                    params.output_kind = RequestOutputKind.FINAL_ONLY
+                    llm_engine.add_request(f"replay-{i}-{k}", TokensPrompt(prompt_token_ids=list(contexts_B[i])), params)
+                    live.add(f"replay-{i}-{k}")
+                ready.clear()
+                steps_since_admit = 0
+            steps_since_admit += 1
+            for output in llm_engine.step():
+                if not output.finished:
+                    continue
+                live.discard(output.request_id)
+                i = int(output.request_id.split("-")[1])
+                new_ids = list(output.outputs[0].token_ids)
+                written += len(new_ids)
+                contexts_B[i] += new_ids + turns_B[i][next_turn_B[i]][1]
+                next_turn_B[i] += 1
+                if next_turn_B[i] < len(turns_B[i]):
+                    ready.append(i)
+    wall_s = time.perf_counter() - t0
+    if timeline is not None:
+        timeline.append(timer.timeline())
+    expected = sum(n for turns in turns_B for n, _ in turns)
+    if written != expected:
+        raise RuntimeError(f"the replay generated {written} tokens instead of {expected}")
+    return wall_s, timer.stats(wall_s)
 
 
 class _StopAtLengths(StoppingCriteria):
@@ -329,9 +445,10 @@ class _StopAtLengths(StoppingCriteria):
 
 
 @torch.no_grad()
-def plain_hf(engine, prompts, n_tokens_B: list[int], sampling) -> tuple[float, dict]:
+def plain_hf(engine, prompts, n_tokens_B: list[int], sampling, timeline: list | None = None) -> tuple[float, dict]:
     """`generate` in the engine's batches, as HFEngine runs them: row i stops after n_tokens_B[i] new
-    tokens, EOS ignored; a batch runs until its longest row is done. Returns seconds (and no stats)."""
+    tokens, EOS ignored; a batch runs until its longest row is done. Returns seconds (and no stats;
+    no timeline)."""
     from transformers import GenerationConfig, StoppingCriteriaList
 
     bias = [[[token], b] for token, b in sampling.logit_bias.items()] if sampling.logit_bias else None
@@ -357,17 +474,17 @@ def plain_hf(engine, prompts, n_tokens_B: list[int], sampling) -> tuple[float, d
     return time.perf_counter() - t0, {}
 
 
-def median_of(repeats: int, plain, *args) -> tuple[float, dict, list[float]]:
-    """`plain(*args)` `repeats` times: the run of median wall time (its seconds and statistics) and
-    every run's seconds. The plain baselines vary more from run to run than the agent loop does."""
-    runs = sorted((plain(*args) for _ in range(repeats)), key=lambda run: run[0])
+def median_of(repeats: int, plain, *args, **kw) -> tuple[float, dict, list[float]]:
+    """`plain(*args, **kw)` `repeats` times: the run of median wall time (its seconds and statistics)
+    and every run's seconds. The plain baselines vary more from run to run than the agent loop does."""
+    runs = sorted((plain(*args, **kw) for _ in range(repeats)), key=lambda run: run[0])
     wall_s, stats = runs[len(runs) // 2]
     return wall_s, stats, [round(run[0], 3) for run in runs]
 
 
 def measure(engine_name: str, engine, plain, searcher, prompts_all, concurrencies, schedules, cfg, sampling,
             common: dict, emit, profile: str | None = None, admit_every: tuple[int, ...] = (8,),
-            baseline_repeats: int = 1) -> None:
+            baseline_repeats: int = 1, timeline_path: str | None = None) -> None:
     from search_r1.agent.loop import Schedule
 
     for n in concurrencies:
@@ -380,28 +497,49 @@ def measure(engine_name: str, engine, plain, searcher, prompts_all, concurrencie
                      f", admitting every {admit} steps" if admit else "")
             cfg_s = replace(cfg, schedule=Schedule(schedule), admit_every_steps=admit or cfg.admit_every_steps)
             extra = {"admit_every_steps": admit} if admit else {}
-            agent, n_tokens_B, obs_ids_B = run_agent(engine, searcher, prompts, cfg_s, sampling, profile)
+            run = {**common, "engine": engine_name, "trajectories": n, "schedule": schedule, **extra}
+            timelines = {mode: [] for mode in ("agent", "plain", "plain_with_obs", "replay")}
+            agent, turns_B = run_agent(engine, searcher, prompts, cfg_s, sampling, profile, timelines["agent"])
+            n_tokens_B = [sum(k for k, _ in turns) for turns in turns_B]
+            obs_ids_B = [[i for _, obs in turns for i in obs] for turns in turns_B]
             log.info("%s: plain generation of the same %d tokens", engine_name, sum(n_tokens_B))
-            plain_s, plain_stats, plain_all = median_of(baseline_repeats, plain, engine, prompts, n_tokens_B, sampling)
+            plain_s, plain_stats, plain_all = median_of(baseline_repeats, plain, engine, prompts, n_tokens_B, sampling,
+                                                        timeline=timelines["plain"])
             # The same, with each trajectory's observations appended to its prompt: the plain run
             # then also prefills them and decodes over contexts as long as the agent's last turn.
             log.info("%s: plain generation with the observations in the prompts", engine_name)
             with profiled(profile, f"plain with observations, {n} trajectories, after the {schedule} schedule"):
                 obs_s, obs_stats, obs_all = median_of(baseline_repeats, plain, engine,
-                                                      [p + o for p, o in zip(prompts, obs_ids_B)], n_tokens_B, sampling)
-            run = {**common, "engine": engine_name, "trajectories": n, "schedule": schedule, **extra}
+                                                      [p + o for p, o in zip(prompts, obs_ids_B)], n_tokens_B, sampling,
+                                                      timeline=timelines["plain_with_obs"])
+            replay = None
+            if plain is plain_vllm:  # the same turns, without the tools (needs the engine's step loop)
+                log.info("%s: the agent's turns replayed without tools", engine_name)
+                replay = median_of(baseline_repeats, replay_vllm, engine, prompts, turns_B, sampling,
+                                   cfg_s.admit_every_steps, timeline=timelines["replay"])
             plain_row = {**run, "mode": "plain", "wall_s": round(plain_s, 3), "wall_s_all": plain_all,
                          "model_tokens": sum(n_tokens_B),
                          "tokens_per_s": round(sum(n_tokens_B) / plain_s, 1), "prompt_tokens": agent["prompt_tokens"],
                          **plain_stats}
             emit({**run, "mode": "agent", **agent,
                   "ratio_to_plain": round(agent["tokens_per_s"] / plain_row["tokens_per_s"], 3),
-                  "ratio_to_plain_with_obs": round(obs_s / agent["wall_s"], 3)})
+                  "ratio_to_plain_with_obs": round(obs_s / agent["wall_s"], 3),
+                  **({"ratio_to_replay": round(replay[0] / agent["wall_s"], 3)} if replay else {})})
             emit(plain_row)
             emit({**run, "mode": "plain_with_obs", "wall_s": round(obs_s, 3), "wall_s_all": obs_all,
                   "model_tokens": sum(n_tokens_B),
                   "tokens_per_s": round(sum(n_tokens_B) / obs_s, 1),
                   "prompt_tokens": agent["prompt_tokens"] + agent["observation_tokens"], **obs_stats})
+            if replay:
+                replay_s, replay_stats, replay_all = replay
+                emit({**run, "mode": "replay", "wall_s": round(replay_s, 3), "wall_s_all": replay_all,
+                      "model_tokens": sum(n_tokens_B), "tokens_per_s": round(sum(n_tokens_B) / replay_s, 1),
+                      "prompt_tokens": agent["prompt_tokens"], **replay_stats})
+            if timeline_path:
+                with open(timeline_path, "a") as f:
+                    for mode, runs_ in timelines.items():
+                        for k, timeline in enumerate(runs_):
+                            f.write(json.dumps({**run, "mode": mode, "repeat": k, **timeline}) + "\n")
 
 
 def print_table(rows: list[dict]) -> None:
@@ -410,7 +548,7 @@ def print_table(rows: list[dict]) -> None:
 
     plain = {key(r): r for r in rows if r["mode"] == "plain"}
     head = (f"{'engine':6} {'traj':>5} {'sched':10} {'agent tok/s':>11} {'plain tok/s':>11} {'ratio':>6} "
-            f"{'r/+obs':>6} {'hf/vllm':>7} {'wall s':>7} {'turns':>5} {'tok/turn':>8} {'valid/inv':>10} {'retr s':>6} "
+            f"{'r/+obs':>6} {'r/rep':>6} {'hf/vllm':>7} {'wall s':>7} {'turns':>5} {'tok/turn':>8} {'valid/inv':>10} {'retr s':>6} "
             f"{'prompt+obs tok':>15}  finish")
     print("\n" + head + "\n" + "-" * len(head))
     for r in rows:
@@ -419,9 +557,10 @@ def print_table(rows: list[dict]) -> None:
         p = plain[key(r)]
         sched = r["schedule"] + (f"/{r['admit_every_steps']}" if r.get("admit_every_steps") else "")
         hf = f"{r['hf_over_vllm']:.2f}" if "hf_over_vllm" in r else "-"
+        rep = f"{r['ratio_to_replay']:.2f}" if "ratio_to_replay" in r else "-"
         finish = " ".join(f"{k}:{v}" for k, v in sorted(r["finish"].items()))
         print(f"{r['engine']:6} {r['trajectories']:>5} {sched:10} {r['tokens_per_s']:>11,.0f} "
-              f"{p['tokens_per_s']:>11,.0f} {r['ratio_to_plain']:>6.2f} {r['ratio_to_plain_with_obs']:>6.2f} "
+              f"{p['tokens_per_s']:>11,.0f} {r['ratio_to_plain']:>6.2f} {r['ratio_to_plain_with_obs']:>6.2f} {rep:>6} "
               f"{hf:>7} {r['wall_s']:>7.1f} "
               f"{r['turns_per_trajectory']:>5.2f} {r['model_tokens_per_turn']:>8.0f} "
               f"{r['searches_valid']:>4}/{r['invalid_actions']:<5} {r['retrieval_busy_s']:>6.1f} "
@@ -464,6 +603,8 @@ def main(argv=None):
                    help="continuous schedule: comma-separated values of AgentConfig.admit_every_steps, each timed")
     p.add_argument("--baseline-repeats", type=int, default=1,
                    help="run each plain baseline this many times and compare with the median (rows keep every wall)")
+    p.add_argument("--timeline", help="append every run's engine-core timeline (time stamps, requests advanced per "
+                                      "core step) to this JSONL file")
     p.add_argument("--profile", help="append a cProfile summary of every agent rollout and plain run with "
                                      "observations to this file "
                                      "(slows the loop's Python: rows measured so are for diagnosis only)")
@@ -567,7 +708,7 @@ def main(argv=None):
             log.info("tag logit bias %s", common["tag_bias"])
             sampling = SamplingConfig(temperature=1.0, top_p=1.0, max_tokens=cap, logit_bias=logit_bias)
             measure(name, engine, plain, searcher, prompts_all, concurrencies, schedules, cfg, sampling, common, emit,
-                    a.profile, tuple(int(k) for k in a.admit_every_steps.split(",")), a.baseline_repeats)
+                    a.profile, tuple(int(k) for k in a.admit_every_steps.split(",")), a.baseline_repeats, a.timeline)
     finally:
         server.stop()
     print_table(rows)

@@ -36,13 +36,14 @@ def test_quick(script, tmp_path):
 def test_rollout_with_engine_core_in_its_own_process(tmp_path):
     """--engine-core separate puts vLLM's engine core in another process; the continuous schedule
     then steps it through the inter-process client and still writes trajectories. The baselines run
-    three times each and the rows compare with the median."""
+    three times each and the rows compare with the median; the replay writes the agent's tokens,
+    turn by turn, with the same prefix-cache use; the core's timeline comes back from its process."""
     if reason := vllm_skip_reason():
         pytest.skip(reason)
     out = tmp_path / "out.jsonl"
     args = [sys.executable, str(ROOT / "benchmarks" / "bench_rollout.py"), "--quick", "--engine", "vllm",
             "--schedules", "continuous", "--engine-core", "separate", "--baseline-repeats", "3",
-            "--out", str(out), "--workdir", str(tmp_path / "work")]
+            "--out", str(out), "--workdir", str(tmp_path / "work"), "--timeline", str(tmp_path / "timeline.jsonl")]
     r = subprocess.run(args, capture_output=True, text=True, timeout=300, cwd=ROOT,
                        env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert r.returncode == 0, r.stderr[-3000:]
@@ -52,3 +53,15 @@ def test_rollout_with_engine_core_in_its_own_process(tmp_path):
     assert agent and all(row["schedule"] == "continuous" and row["model_tokens"] > 0 for row in agent)
     baselines = [row for row in rows if row["mode"] in ("plain", "plain_with_obs")]
     assert baselines and all(len(row["wall_s_all"]) == 3 and row["wall_s"] == row["wall_s_all"][1] for row in baselines)
+    replays = [row for row in rows if row["mode"] == "replay"]
+    assert len(replays) == len(agent)
+    for a, r in zip(agent, replays):
+        assert r["model_tokens"] == a["model_tokens"] and len(r["wall_s_all"]) == 3
+        # The same requests, prefix for prefix (up to what the cache evicted in between).
+        assert r["prefix_cached_frac"] == pytest.approx(a["prefix_cached_frac"], abs=0.05)
+        assert a["ratio_to_replay"] == round(r["wall_s"] / a["wall_s"], 3)
+        assert a["core_steps"] > 0 and 0 < a["core_span_s"] <= a["wall_s"]
+    timelines = [json.loads(line) for line in (tmp_path / "timeline.jsonl").read_text().splitlines()]
+    assert {t["mode"] for t in timelines} == {"agent", "plain", "plain_with_obs", "replay"}
+    first = next(t for t in timelines if t["mode"] == "agent")
+    assert len(first["t"]) == len(first["batch"]) == agent[0]["core_steps"] and first["t"] == sorted(first["t"])
