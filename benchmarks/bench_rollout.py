@@ -15,7 +15,9 @@ A third baseline (vLLM only) replays the agent's own turns without its tools (`r
 each trajectory's turns in order, each writing as many tokens as the agent's did, its observation
 appended the moment the turn ends and admitted as the continuous schedule admits turns. The engine
 then does the agent's work — the same requests, prefills and contexts — with no search to wait for
-and no parsing: the ratio is what the tool calls and the loop cost the engine, the goal's own words.
+and no parsing: the ratio measures what the tool calls and the loop cost the engine, which is what
+"tool calls must not stall the engine" asks about. The replay itself is slower than one plain call
+(observations to prefill, turns of a trajectory one after another), which caps the first ratio.
 Every vLLM row also summarises the engine core's timeline (`StepTimer`: its steps, batch, the tail
 where it runs below a quarter of its width, idle gaps); `--timeline FILE` keeps the whole of it.
 The HF fallback runs the same loop at a smaller concurrency, and its tokens/s are compared with
@@ -192,6 +194,14 @@ class TimedSearcher:
         self.empty += sum(not h for h in hits)
         return hits
 
+    def call_ms(self) -> dict:
+        """Median and 90th percentile of one call's duration (a batched request: all queries of a step)."""
+        calls = sorted(stop - start for start, stop in self.intervals)
+        if not calls:
+            return {}
+        return {"retrieval_call_ms_p50": round(1000 * calls[len(calls) // 2], 1),
+                "retrieval_call_ms_p90": round(1000 * calls[int(0.9 * (len(calls) - 1))], 1)}
+
     def busy_s(self) -> float:
         """Time during which at least one search was in flight (overlapping calls count once)."""
         total, end = 0.0, -math.inf
@@ -216,7 +226,9 @@ class StepTimer:
     core step), `tail_s` (time in core steps that advanced fewer than a quarter of the run's largest
     batch: the end of the rollout, where the engine runs far below its width) and `core_gaps_s` (the
     intervals between core steps longer than 10 median steps, less one median step each: the core
-    idle, waiting for requests; an admission step takes 4-6 median steps)."""
+    idle, waiting for requests; an admission step takes 4-6 median steps). `client_lag_ms_*`: how long
+    a core step's outputs waited before this process took them (with the core in its own process,
+    the loop sees finished turns that much later)."""
 
     def __init__(self, engine):
         self.llm_engine = getattr(getattr(engine, "llm", None), "llm_engine", None)
@@ -226,6 +238,7 @@ class StepTimer:
         self.admission_steps, self.admission_step_s = 0, 0.0
         self.core_client = getattr(self.llm_engine, "engine_core", None)
         self.core_steps: list[tuple[float, int]] = []  # (core's monotonic time stamp, requests advanced)
+        self.lags: list[float] = []  # seconds from a core step's outputs to this process taking them
 
     def __enter__(self):
         if self.llm_engine is not None:
@@ -253,8 +266,10 @@ class StepTimer:
             def get_output():
                 outputs = inner_get()
                 if outputs.outputs:
-                    self.core_steps.append((getattr(outputs, "timestamp", 0.0) or time.monotonic(),
-                                            len(outputs.outputs)))
+                    now = time.monotonic()
+                    stamp = getattr(outputs, "timestamp", 0.0) or now
+                    self.core_steps.append((stamp, len(outputs.outputs)))
+                    self.lags.append(now - stamp)
                 return outputs
 
             self.core_client.get_output = get_output
@@ -273,6 +288,10 @@ class StepTimer:
                  "prefix_cached_frac": round(self.cached_tokens / max(1, self.prompt_tokens), 3)}
         if self.scheduler is not None:
             stats |= {"admission_steps": self.admission_steps, "admission_step_s": round(self.admission_step_s, 3)}
+        lags = sorted(self.lags)
+        if lags:  # a core in its own process steps ahead; a lagging loop sees finished turns late
+            stats |= {"client_lag_ms_mean": round(1000 * sum(lags) / len(lags), 2),
+                      "client_lag_ms_p90": round(1000 * lags[int(0.9 * (len(lags) - 1))], 2)}
         return stats | core_timeline_stats(self.core_steps)
 
     def timeline(self) -> dict:
@@ -355,6 +374,7 @@ def run_agent(engine, searcher: TimedSearcher, prompts, cfg, sampling, profile: 
         "finish": dict(Counter(str(t.finish) for t in trajectories)),
         "retrieval_busy_s": round(searcher.busy_s(), 3),
         "retrieval_calls": len(searcher.intervals),
+        **searcher.call_ms(),
         "searches_without_passages": searcher.empty,
         "retrieval_failed": sum(t.retrieval_failed for t in trajectories),
         **timer.stats(wall_s),
