@@ -91,9 +91,11 @@ def main(argv=None):
             f"data.max_response_length={a.response_length}", "data.max_obs_length=256",
             f"actor_rollout_ref.model.path={model}", f"actor_rollout_ref.rollout.n_agent={a.n}",
             f"actor_rollout_ref.actor.ppo_mini_batch_size={mini}",
-            f"actor_rollout_ref.actor.ppo_micro_batch_size={max(a.gpus, min(16, a.prompts * a.n))}",
-            f"actor_rollout_ref.rollout.log_prob_micro_batch_size={max(a.gpus, min(32, a.prompts * a.n))}",
-            f"actor_rollout_ref.ref.log_prob_micro_batch_size={max(a.gpus, min(32, a.prompts * a.n))}",
+            # Micro-batches of 16 (update) and 32 (log-probs) trajectories per GPU, whatever the number
+            # of GPUs (the keys count over all of them), so runs on 1 and on N GPUs do the same work per GPU.
+            f"actor_rollout_ref.actor.ppo_micro_batch_size={min(16 * a.gpus, a.prompts * a.n)}",
+            f"actor_rollout_ref.rollout.log_prob_micro_batch_size={min(32 * a.gpus, a.prompts * a.n)}",
+            f"actor_rollout_ref.ref.log_prob_micro_batch_size={min(32 * a.gpus, a.prompts * a.n)}",
             "algorithm.adv_estimator=grpo", "algorithm.use_kl_in_reward=false",
             "actor_rollout_ref.actor.use_kl_loss=true",
             "actor_rollout_ref.rollout.agent_loop=search_r1.agent.loop:SearchAgentLoop",
