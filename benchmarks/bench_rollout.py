@@ -199,8 +199,7 @@ class TimedSearcher:
         calls = sorted(stop - start for start, stop in self.intervals)
         if not calls:
             return {}
-        return {"retrieval_call_ms_p50": round(1000 * calls[len(calls) // 2], 1),
-                "retrieval_call_ms_p90": round(1000 * calls[int(0.9 * (len(calls) - 1))], 1)}
+        return {f"retrieval_call_ms_p{q}": round(1000 * calls[q * (len(calls) - 1) // 100], 1) for q in (50, 90)}
 
     def busy_s(self) -> float:
         """Time during which at least one search was in flight (overlapping calls count once)."""
@@ -291,7 +290,7 @@ class StepTimer:
         lags = sorted(self.lags)
         if lags:  # a core in its own process steps ahead; a lagging loop sees finished turns late
             stats |= {"client_lag_ms_mean": round(1000 * sum(lags) / len(lags), 2),
-                      "client_lag_ms_p90": round(1000 * lags[int(0.9 * (len(lags) - 1))], 2)}
+                      "client_lag_ms_p90": round(1000 * lags[90 * (len(lags) - 1) // 100], 2)}
         return stats | core_timeline_stats(self.core_steps)
 
     def timeline(self) -> dict:
