@@ -168,6 +168,11 @@ def make_prompts(tok, n: int) -> list[list[int]]:
     return prompts
 
 
+def percentile(sorted_values: list[float], q: int) -> float:
+    """The q-th percentile (nearest rank below) of an ascending list."""
+    return sorted_values[q * (len(sorted_values) - 1) // 100]
+
+
 class TimedSearcher:
     """The real HTTP searcher; records the wall-clock interval of every call and empty answers."""
 
@@ -199,7 +204,7 @@ class TimedSearcher:
         calls = sorted(stop - start for start, stop in self.intervals)
         if not calls:
             return {}
-        return {f"retrieval_call_ms_p{q}": round(1000 * calls[q * (len(calls) - 1) // 100], 1) for q in (50, 90)}
+        return {f"retrieval_call_ms_p{q}": round(1000 * percentile(calls, q), 1) for q in (50, 90)}
 
     def busy_s(self) -> float:
         """Time during which at least one search was in flight (overlapping calls count once)."""
@@ -290,7 +295,7 @@ class StepTimer:
         lags = sorted(self.lags)
         if lags:  # a core in its own process steps ahead; a lagging loop sees finished turns late
             stats |= {"client_lag_ms_mean": round(1000 * sum(lags) / len(lags), 2),
-                      "client_lag_ms_p90": round(1000 * lags[90 * (len(lags) - 1) // 100], 2)}
+                      "client_lag_ms_p90": round(1000 * percentile(lags, 90), 2)}
         return stats | core_timeline_stats(self.core_steps)
 
     def timeline(self) -> dict:
@@ -380,14 +385,20 @@ def run_agent(engine, searcher: TimedSearcher, prompts, cfg, sampling, profile: 
     }, [turns_of(t) for t in trajectories]
 
 
+def exact_length_params(sampling, n_tokens: int):
+    """vLLM sampling settings of the agent's, writing exactly `n_tokens` (EOS ignored, no stop strings)."""
+    from vllm import SamplingParams
+
+    return SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p, max_tokens=n_tokens,
+                          ignore_eos=True, logit_bias=sampling.logit_bias)
+
+
 def plain_vllm(engine, prompts, n_tokens_B: list[int], sampling, timeline: list | None = None) -> tuple[float, dict]:
     """One `LLM.generate` call: exactly n_tokens_B[i] new tokens for prompt i. Returns seconds and
     the engine-step statistics; with `timeline`, appends its core steps."""
-    from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    params = [SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p, max_tokens=n,
-                             ignore_eos=True, logit_bias=sampling.logit_bias) for n in n_tokens_B]
+    params = [exact_length_params(sampling, n) for n in n_tokens_B]
     t0 = time.perf_counter()
     with StepTimer(engine) as timer:
         outputs = engine.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params,
@@ -409,35 +420,32 @@ def replay_vllm(engine, prompts, turns_B: list[list[tuple[int, list[int]]]], sam
     on joining the running batch every `admit_every` steps, as the continuous schedule admits them.
     The engine gets the same requests, prefills and context lengths as in the agent's rollout; what
     the agent takes beyond this is the time its tool calls and its own loop cost the engine."""
-    from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
     from vllm.sampling_params import RequestOutputKind
 
     llm_engine = engine.llm.llm_engine
     contexts_B = [list(p) for p in prompts]
     next_turn_B = [0] * len(prompts)
-    ready, live = [i for i, turns in enumerate(turns_B) if turns], set()
+    ready = [i for i, turns in enumerate(turns_B) if turns]
+    live: dict[str, int] = {}  # request id -> trajectory
     steps_since_admit, written = 0, 0
     t0 = time.perf_counter()
     with StepTimer(engine) as timer:
         while live or ready:
             if ready and (steps_since_admit >= admit_every or not live):
                 for i in ready:
-                    k = next_turn_B[i]
-                    params = SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p,
-                                            max_tokens=turns_B[i][k][0], ignore_eos=True,
-                                            logit_bias=sampling.logit_bias)
+                    request_id = f"replay-{i}-{next_turn_B[i]}"
+                    params = exact_length_params(sampling, turns_B[i][next_turn_B[i]][0])
                     params.output_kind = RequestOutputKind.FINAL_ONLY
-                    llm_engine.add_request(f"replay-{i}-{k}", TokensPrompt(prompt_token_ids=list(contexts_B[i])), params)
-                    live.add(f"replay-{i}-{k}")
+                    llm_engine.add_request(request_id, TokensPrompt(prompt_token_ids=list(contexts_B[i])), params)
+                    live[request_id] = i
                 ready.clear()
                 steps_since_admit = 0
             steps_since_admit += 1
             for output in llm_engine.step():
                 if not output.finished:
                     continue
-                live.discard(output.request_id)
-                i = int(output.request_id.split("-")[1])
+                i = live.pop(output.request_id)
                 new_ids = list(output.outputs[0].token_ids)
                 written += len(new_ids)
                 contexts_B[i] += new_ids + turns_B[i][next_turn_B[i]][1]
