@@ -7,6 +7,7 @@ Methods, all on the same vectors and queries:
             exact re-score of their rows
   fused     the same with the block maxima from one fused Triton kernel (ExactIndex's GPU default)
   kernel    the fused kernel alone (no top-k, no re-score), to see what the rest costs
+  fused_tma, kernel_tma   the same with the TMA kernel (Hopper or newer)
   fp8       FP8 block maxima + exact fp16 re-score of a shortlist (approximate; recall shown)
 
 Each figure is also given as a fraction of the device's limits: dense fp16 tensor-core FLOP/s
@@ -78,9 +79,9 @@ def matmul_only(x, q):
     return s
 
 
-def fused_kernel_only(x, q):
+def fused_kernel_only(x, q, kernel="auto"):
     from search_r1.retrieval.triton_blockmax import block_maxima
-    return block_maxima(q, x, len(x) // dense.BLOCK * dense.BLOCK)
+    return block_maxima(q, x, len(x) // dense.BLOCK * dense.BLOCK, kernel)
 
 
 def main(argv=None):
@@ -112,14 +113,16 @@ def main(argv=None):
             fn = {"matmul": lambda: matmul_only(x, q),
                   "chunked": lambda: dense._search_chunked(x, q, a.k, chunk=1 << 20 if gpu else 1 << 14),
                   "blockmax": lambda: dense._search_blockmax(x, q, a.k, fused=False),
-                  "fused": lambda: dense._search_blockmax(x, q, a.k, fused=True),
-                  "kernel": lambda: fused_kernel_only(x, q),
+                  "fused": lambda: dense._search_blockmax(x, q, a.k, fused=True, kernel="pointer"),
+                  "kernel": lambda: fused_kernel_only(x, q, "pointer"),
+                  "fused_tma": lambda: dense._search_blockmax(x, q, a.k, fused=True, kernel="tma"),
+                  "kernel_tma": lambda: fused_kernel_only(x, q, "tma"),
                   "fp8": lambda: dense._search_fp8(x, *x8, q, a.k, a.fp8_shortlist)}[method]
             reps = 3 if gpu and b >= 256 else 5
             sec, out = timed(fn, reps)
             row = {"device": name, "n": a.n, "dim": a.dim, "k": a.k, "batch": b, "method": method,
                    "ms": round(sec * 1e3, 3), "qps": round(b / sec, 1)}
-            if method not in ("matmul", "kernel"):
+            if method not in ("matmul", "kernel", "kernel_tma"):
                 got = out[1].cpu()
                 row["recall"] = round(sum(len(set(g.tolist()) & set(e.tolist()))
                                           for g, e in zip(got, exact_ids)) / exact_ids.numel(), 4)

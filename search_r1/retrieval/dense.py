@@ -162,7 +162,8 @@ def _fused_kernel_available(x_ND: torch.Tensor) -> bool:
     return True
 
 
-def _search_blockmax(x_ND: torch.Tensor, q_BD: torch.Tensor, k: int, fused: bool | None = None):
+def _search_blockmax(x_ND: torch.Tensor, q_BD: torch.Tensor, k: int, fused: bool | None = None,
+                     kernel: str = "auto"):
     n_full = (len(x_ND) // BLOCK) * BLOCK
     if n_full < k * BLOCK:  # tiny shard: the prefilter would not save anything
         return _search_chunked(x_ND, q_BD, k)
@@ -170,7 +171,7 @@ def _search_blockmax(x_ND: torch.Tensor, q_BD: torch.Tensor, k: int, fused: bool
         fused = _fused_kernel_available(x_ND)
     if fused:  # scores never leave registers; see triton_blockmax.py
         from search_r1.retrieval.triton_blockmax import block_maxima
-        blockmax_BM = block_maxima(q_BD, x_ND, n_full)
+        blockmax_BM = block_maxima(q_BD, x_ND, n_full, kernel)
     else:
         blockmax_BM = _block_maxima(lambda lo, hi: q_BD @ x_ND[lo:hi].T, len(q_BD), n_full, x_ND)
     return _rescore_blocks(x_ND, q_BD, blockmax_BM.topk(k, dim=1).indices, k, n_full)

@@ -5,6 +5,9 @@ import torch
 
 from search_r1.retrieval import dense
 
+if torch.cuda.is_available():
+    from search_r1.retrieval import triton_blockmax
+
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
@@ -17,8 +20,10 @@ def vectors(n, d, seed):
 def test_fused_blockmax_equals_full_topk(n, b):
     x, q = vectors(n, 768, 0), vectors(b, 768, 1)
     s_ref, i_ref = dense._search_chunked(x, q, 5, chunk=1 << 16)
-    for fused in (False, True):
-        s, i = dense._search_blockmax(x, q, 5, fused=fused)
+    for fused, kernel in ((False, "auto"), (True, "pointer"), (True, "tma")):
+        if kernel == "tma" and not triton_blockmax.tma_available(x):
+            continue
+        s, i = dense._search_blockmax(x, q, 5, fused=fused, kernel=kernel)
         # fp16 rounding may swap rows whose scores differ by less than its resolution, so compare
         # the true (fp32) scores of the rows each method chose.
         true_s = torch.einsum("bkd,bd->bk", x[i].float(), q.float())
