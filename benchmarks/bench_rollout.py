@@ -501,11 +501,17 @@ def plain_hf(engine, prompts, n_tokens_B: list[int], sampling, timeline: list | 
     return time.perf_counter() - t0, {}
 
 
-def median_of(repeats: int, plain, *args, **kw) -> tuple[float, dict, list[float]]:
-    """`plain(*args, **kw)` `repeats` times: the run of median wall time (its seconds and statistics)
-    and every run's seconds. The plain baselines vary more from run to run than the agent loop does."""
-    runs = sorted((plain(*args, **kw) for _ in range(repeats)), key=lambda run: run[0])
-    wall_s, stats = runs[len(runs) // 2]
+def cold_prefix_cache(engine) -> None:
+    """Every run starts with an empty prefix cache: a repeat would otherwise find the prompts and
+    observations of the one before it cached and skip their prefill."""
+    if hasattr(engine, "llm"):  # vLLM; the HF engine keeps no cache between calls
+        engine.llm.reset_prefix_cache()
+
+
+def median_run(runs: list[tuple[float, dict]]) -> tuple[float, dict, list[float]]:
+    """The run of median wall time (its seconds and statistics) and every run's seconds, in the
+    order they ran: the baselines vary more from run to run than the agent loop does."""
+    wall_s, stats = sorted(runs, key=lambda run: run[0])[len(runs) // 2]
     return wall_s, stats, [round(run[0], 3) for run in runs]
 
 
@@ -526,24 +532,34 @@ def measure(engine_name: str, engine, plain, searcher, prompts_all, concurrencie
             extra = {"admit_every_steps": admit} if admit else {}
             run = {**common, "engine": engine_name, "trajectories": n, "schedule": schedule, **extra}
             timelines = {mode: [] for mode in ("agent", "plain", "plain_with_obs", "replay")}
+            cold_prefix_cache(engine)
             agent, turns_B = run_agent(engine, searcher, prompts, cfg_s, sampling, profile, timelines["agent"])
             n_tokens_B = [sum(k for k, _ in turns) for turns in turns_B]
             obs_ids_B = [[i for _, obs in turns for i in obs] for turns in turns_B]
-            log.info("%s: plain generation of the same %d tokens", engine_name, sum(n_tokens_B))
-            plain_s, plain_stats, plain_all = median_of(baseline_repeats, plain, engine, prompts, n_tokens_B, sampling,
-                                                        timeline=timelines["plain"])
-            # The same, with each trajectory's observations appended to its prompt: the plain run
-            # then also prefills them and decodes over contexts as long as the agent's last turn.
-            log.info("%s: plain generation with the observations in the prompts", engine_name)
-            with profiled(profile, f"plain with observations, {n} trajectories, after the {schedule} schedule"):
-                obs_s, obs_stats, obs_all = median_of(baseline_repeats, plain, engine,
-                                                      [p + o for p, o in zip(prompts, obs_ids_B)], n_tokens_B, sampling,
-                                                      timeline=timelines["plain_with_obs"])
-            replay = None
-            if plain is plain_vllm:  # the same turns, without the tools (needs the engine's step loop)
-                log.info("%s: the agent's turns replayed without tools", engine_name)
-                replay = median_of(baseline_repeats, replay_vllm, engine, prompts, turns_B, sampling,
-                                   cfg_s.admit_every_steps, timeline=timelines["replay"])
+            # Each baseline `baseline_repeats` times, the repeats interleaved (plain, plain + obs, replay,
+            # plain, …): identical runs differ by up to 1.3×, and interleaved, every baseline samples
+            # the same minutes of the machine instead of one its own.
+            # "plain + obs": each trajectory's observations appended to its prompt, so the plain run
+            # also prefills them and decodes over contexts as long as the agent's last turn.
+            # "replay": the same turns, without the tools (needs the engine's step loop).
+            baselines = {"plain": lambda tl: plain(engine, prompts, n_tokens_B, sampling, timeline=tl),
+                         "plain_with_obs": lambda tl: plain(engine, [p + o for p, o in zip(prompts, obs_ids_B)],
+                                                            n_tokens_B, sampling, timeline=tl)}
+            if plain is plain_vllm:
+                baselines["replay"] = lambda tl: replay_vllm(engine, prompts, turns_B, sampling,
+                                                             cfg_s.admit_every_steps, timeline=tl)
+            done: dict[str, list] = {mode: [] for mode in baselines}
+            for k in range(baseline_repeats):
+                for mode, baseline in baselines.items():
+                    log.info("%s: %s baseline of the same %d tokens (%d of %d)", engine_name, mode,
+                             sum(n_tokens_B), k + 1, baseline_repeats)
+                    title = f"{mode}, {n} trajectories, after the {schedule} schedule"
+                    cold_prefix_cache(engine)
+                    with profiled(profile if mode == "plain_with_obs" else None, title):
+                        done[mode].append(baseline(timelines[mode]))
+            plain_s, plain_stats, plain_all = median_run(done["plain"])
+            obs_s, obs_stats, obs_all = median_run(done["plain_with_obs"])
+            replay = median_run(done["replay"]) if "replay" in done else None
             plain_row = {**run, "mode": "plain", "wall_s": round(plain_s, 3), "wall_s_all": plain_all,
                          "model_tokens": sum(n_tokens_B),
                          "tokens_per_s": round(sum(n_tokens_B) / plain_s, 1), "prompt_tokens": agent["prompt_tokens"],

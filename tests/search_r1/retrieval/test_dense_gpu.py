@@ -40,6 +40,19 @@ def test_exact_index_on_gpu_shards_matches_cpu():
     np.testing.assert_allclose(true_s, s_ref, atol=2e-3)
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+@pytest.mark.parametrize("b", [8, 300])  # the pointer kernel and (on Hopper) the TMA one
+def test_exact_index_sharded_over_gpus_matches_cpu(b):
+    """Each shard's kernel must run on its own GPU (Triton launches on the current device)."""
+    devices = [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+    x = vectors(200_000, 768, 6).float().cpu().numpy()
+    q = vectors(b, 768, 7).float().cpu().numpy()
+    s_ref, _ = dense.ExactIndex(x, ["cpu"]).search(q, 3)
+    _, got = dense.ExactIndex(x, devices).search(q, 3)
+    true_s = np.einsum("bkd,bd->bk", x[got], q)
+    np.testing.assert_allclose(true_s, s_ref, atol=2e-3)
+
+
 def test_fp8_prefilter_recall():
     x, q = vectors(500_000, 768, 4), vectors(64, 768, 5)
     _, exact = dense._search_blockmax(x, q, 3, fused=False)
