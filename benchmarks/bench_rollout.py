@@ -232,7 +232,13 @@ class StepTimer:
     intervals between core steps longer than 10 median steps, less one median step each: the core
     idle, waiting for requests; an admission step takes 4-6 median steps). `client_lag_ms_*`: how long
     a core step's outputs waited before this process took them (with the core in its own process,
-    the loop sees finished turns that much later)."""
+    the loop sees finished turns that much later).
+
+    With vLLM's statistics on (`--core-stats`: log stats and CUDA-graph metrics), every core step is
+    kept, also one that advanced no request (a prefill chunk), with the tokens it scheduled, the
+    requests left waiting and the CUDA-graph mode it ran in; `core_modes` then sums steps and seconds
+    per mode, and `prefill_steps`/`prefill_step_s` those that scheduled more tokens than they
+    advanced requests (they carried a prefill)."""
 
     def __init__(self, engine):
         self.llm_engine = getattr(getattr(engine, "llm", None), "llm_engine", None)
@@ -243,8 +249,11 @@ class StepTimer:
         self.core_client = getattr(self.llm_engine, "engine_core", None)
         self.core_steps: list[tuple[float, int]] = []  # (core's monotonic time stamp, requests advanced)
         self.lags: list[float] = []  # seconds from a core step's outputs to this process taking them
+        self.with_stats = bool(getattr(self.llm_engine, "log_stats", False))
+        self.core_stats: list[tuple[int, int, str]] = []  # per core step: tokens, waiting, graph mode
 
     def __enter__(self):
+        self.entered = time.monotonic()
         if self.llm_engine is not None:
             inner = self.llm_engine.step
 
@@ -269,11 +278,18 @@ class StepTimer:
 
             def get_output():
                 outputs = inner_get()
-                if outputs.outputs:
-                    now = time.monotonic()
-                    stamp = getattr(outputs, "timestamp", 0.0) or now
+                stats = getattr(outputs, "scheduler_stats", None)  # each core step's, with --core-stats
+                now = time.monotonic()
+                stamp = getattr(outputs, "timestamp", 0.0) or now
+                # A step that advanced nothing can arrive after its run ended: not this run's.
+                if outputs.outputs or (stats is not None and stamp >= self.entered):
                     self.core_steps.append((stamp, len(outputs.outputs)))
                     self.lags.append(now - stamp)
+                    if self.with_stats:
+                        graph = getattr(stats, "cudagraph_stats", None)
+                        self.core_stats.append((graph.num_unpadded_tokens if graph else -1,
+                                                stats.num_waiting_reqs if stats else -1,
+                                                str(graph.runtime_mode) if graph else "unknown"))
                 return outputs
 
             self.core_client.get_output = get_output
@@ -296,12 +312,16 @@ class StepTimer:
         if lags:  # a core in its own process steps ahead; a lagging loop sees finished turns late
             stats |= {"client_lag_ms_mean": round(1000 * sum(lags) / len(lags), 2),
                       "client_lag_ms_p90": round(1000 * percentile(lags, 90), 2)}
-        return stats | core_timeline_stats(self.core_steps)
+        return stats | core_timeline_stats(self.core_steps) | core_mode_stats(self.core_steps, self.core_stats)
 
     def timeline(self) -> dict:
-        """The core steps as seconds from the first and requests advanced (for --timeline)."""
+        """The core steps as seconds from the first and requests advanced (for --timeline), and with
+        --core-stats the tokens each scheduled, the requests waiting and its CUDA-graph mode."""
         t0 = self.core_steps[0][0] if self.core_steps else 0.0
-        return {"t": [round(t - t0, 5) for t, _ in self.core_steps], "batch": [n for _, n in self.core_steps]}
+        timeline = {"t": [round(t - t0, 5) for t, _ in self.core_steps], "batch": [n for _, n in self.core_steps]}
+        if self.core_stats:
+            timeline |= {key: [step[i] for step in self.core_stats] for i, key in enumerate(("tokens", "waiting", "graph"))}
+        return timeline
 
 
 def core_timeline_stats(core_steps: list[tuple[float, int]]) -> dict:
@@ -317,6 +337,24 @@ def core_timeline_stats(core_steps: list[tuple[float, int]]) -> dict:
             "core_mean_batch": round(sum(n for _, n in core_steps) / len(core_steps), 1),
             "tail_steps": len(tail), "tail_s": round(sum(tail), 3),
             "core_gaps_s": round(sum(gap - median for gap in gaps if gap > 10 * median), 3)}
+
+
+def core_mode_stats(core_steps: list[tuple[float, int]], core_stats: list[tuple[int, int, str]]) -> dict:
+    """Steps and seconds per CUDA-graph mode, and of the steps that carried a prefill; a step's
+    seconds are the interval that ends at its time stamp. Empty without --core-stats."""
+    if len(core_stats) != len(core_steps) or len(core_steps) < 2:
+        return {}
+    modes: dict[str, list] = {}
+    prefill_steps, prefill_s = 0, 0.0
+    for (t_prev, _), (t, advanced), (tokens, _, mode) in zip(core_steps, core_steps[1:], core_stats[1:]):
+        entry = modes.setdefault(mode, [0, 0.0])
+        entry[0] += 1
+        entry[1] += t - t_prev
+        if tokens > advanced:
+            prefill_steps += 1
+            prefill_s += t - t_prev
+    return {"core_modes": {mode: {"steps": n, "s": round(sec, 3)} for mode, (n, sec) in sorted(modes.items())},
+            "prefill_steps": prefill_steps, "prefill_step_s": round(prefill_s, 3)}
 
 
 @contextlib.contextmanager
@@ -537,8 +575,8 @@ def measure(engine_name: str, engine, plain, searcher, prompts_all, concurrencie
             n_tokens_B = [sum(k for k, _ in turns) for turns in turns_B]
             obs_ids_B = [[i for _, obs in turns for i in obs] for turns in turns_B]
             # Each baseline `baseline_repeats` times, the repeats interleaved (plain, plain + obs, replay,
-            # plain, …): identical runs differ by up to 1.3×, and interleaved, every baseline samples
-            # the same minutes of the machine instead of one its own.
+            # plain, …): identical runs differ by up to 1.3×, and interleaved, the baselines share the
+            # machine's good and bad minutes instead of each getting minutes of its own.
             # "plain + obs": each trajectory's observations appended to its prompt, so the plain run
             # also prefills them and decodes over contexts as long as the agent's last turn.
             # "replay": the same turns, without the tools (needs the engine's step loop).
@@ -648,6 +686,9 @@ def main(argv=None):
                    help="run each plain baseline this many times and compare with the median (rows keep every wall)")
     p.add_argument("--timeline", help="append every run's engine-core timeline (time stamps, requests advanced per "
                                       "core step) to this JSONL file")
+    p.add_argument("--core-stats", action="store_true",
+                   help="vLLM: statistics of every core step (log stats + CUDA-graph metrics): tokens scheduled, "
+                        "requests waiting, CUDA-graph mode (rows: core_modes, prefill_steps; --timeline: per step)")
     p.add_argument("--profile", help="append a cProfile summary of every agent rollout and plain run with "
                                      "observations to this file "
                                      "(slows the loop's Python: rows measured so are for diagnosis only)")
@@ -693,7 +734,8 @@ def main(argv=None):
               "max_tokens_per_turn": cap, "max_obs_length": a.max_obs_length, "topk": a.topk,
               "cudagraph_mode": a.cudagraph_mode or "default",
               "max_cudagraph_capture_size": a.max_cudagraph_capture_size or "default",
-              "retrieval_devices": a.retrieval_devices or "default", "engine_core": a.engine_core}
+              "retrieval_devices": a.retrieval_devices or "default", "engine_core": a.engine_core,
+              "core_stats": a.core_stats}
     log.info("model %s; mean turn %.0f tokens, cap %d; vLLM at %s, HF at %s", model, mean_turn, cap, vllm_n, hf_n)
 
     rows: list[dict] = []
@@ -736,6 +778,8 @@ def main(argv=None):
                                                   ("max_cudagraph_capture_size", a.max_cudagraph_capture_size)) if v}
                 if compilation:
                     kw["compilation_config"] = compilation
+                if a.core_stats:
+                    kw |= {"disable_log_stats": False, "cudagraph_metrics": True}
                 engine = VLLMEngine(model, seed=a.seed, max_model_len=max_model_len,
                                     separate_core=a.engine_core == "separate", **kw)
                 common["engine_core_client"] = type(engine.llm.llm_engine.engine_core).__name__  # InprocClient or not

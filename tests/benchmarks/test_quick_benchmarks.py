@@ -37,12 +37,13 @@ def test_rollout_with_engine_core_in_its_own_process(tmp_path):
     """--engine-core separate puts vLLM's engine core in another process; the continuous schedule
     then steps it through the inter-process client and still writes trajectories. The baselines run
     three times each and the rows compare with the median; the replay writes the agent's tokens,
-    turn by turn, with the same prefix-cache use; the core's timeline comes back from its process."""
+    turn by turn, with the same prefix-cache use; the core's timeline comes back from its process,
+    with vLLM's statistics of every core step (--core-stats)."""
     if reason := vllm_skip_reason():
         pytest.skip(reason)
     out = tmp_path / "out.jsonl"
     args = [sys.executable, str(ROOT / "benchmarks" / "bench_rollout.py"), "--quick", "--engine", "vllm",
-            "--schedules", "continuous", "--engine-core", "separate", "--baseline-repeats", "3",
+            "--schedules", "continuous", "--engine-core", "separate", "--baseline-repeats", "3", "--core-stats",
             "--out", str(out), "--workdir", str(tmp_path / "work"), "--timeline", str(tmp_path / "timeline.jsonl")]
     r = subprocess.run(args, capture_output=True, text=True, timeout=300, cwd=ROOT,
                        env={**os.environ, "PYTHONPATH": str(ROOT)})
@@ -52,7 +53,8 @@ def test_rollout_with_engine_core_in_its_own_process(tmp_path):
     agent = [row for row in rows if row["mode"] == "agent"]
     assert agent and all(row["schedule"] == "continuous" and row["model_tokens"] > 0 for row in agent)
     baselines = [row for row in rows if row["mode"] in ("plain", "plain_with_obs")]
-    assert baselines and all(len(row["wall_s_all"]) == 3 and row["wall_s"] == row["wall_s_all"][1] for row in baselines)
+    assert baselines and all(len(row["wall_s_all"]) == 3 and row["wall_s"] == sorted(row["wall_s_all"])[1]
+                             for row in baselines)
     replays = [row for row in rows if row["mode"] == "replay"]
     assert len(replays) == len(agent)
     for a, r in zip(agent, replays):
@@ -62,9 +64,13 @@ def test_rollout_with_engine_core_in_its_own_process(tmp_path):
         assert a["ratio_to_replay"] == pytest.approx(r["wall_s"] / a["wall_s"], abs=0.002)
         assert a["core_steps"] > 0 and 0 < a["core_span_s"] <= a["wall_s"]
         assert 0 <= a["client_lag_ms_mean"] <= a["wall_s"] * 1000
+        # Every core step has its mode (eager on CPU: "NONE"); the first admission is a prefill.
+        assert sum(m["steps"] for m in a["core_modes"].values()) == a["core_steps"] - 1
+        assert 1 <= a["prefill_steps"] < a["core_steps"] and 0 < a["prefill_step_s"] < a["core_span_s"]
         if a["retrieval_calls"]:
             assert 0 < a["retrieval_call_ms_p50"] <= a["retrieval_call_ms_p90"]
     timelines = [json.loads(line) for line in (tmp_path / "timeline.jsonl").read_text().splitlines()]
     assert {t["mode"] for t in timelines} == {"agent", "plain", "plain_with_obs", "replay"}
     first = next(t for t in timelines if t["mode"] == "agent")
     assert len(first["t"]) == len(first["batch"]) == agent[0]["core_steps"] and first["t"] == sorted(first["t"])
+    assert len(first["tokens"]) == len(first["waiting"]) == len(first["graph"]) == len(first["t"])
