@@ -79,7 +79,7 @@ def matmul_only(x, q):
     return s
 
 
-def fused_kernel_only(x, q, kernel="auto"):
+def fused_kernel_only(x, q, kernel):
     from search_r1.retrieval.triton_blockmax import block_maxima
     return block_maxima(q, x, len(x) // dense.BLOCK * dense.BLOCK, kernel)
 

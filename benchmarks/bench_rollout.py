@@ -320,7 +320,7 @@ class StepTimer:
         t0 = self.core_steps[0][0] if self.core_steps else 0.0
         timeline = {"t": [round(t - t0, 5) for t, _ in self.core_steps], "batch": [n for _, n in self.core_steps]}
         if self.core_stats:
-            timeline |= {key: [step[i] for step in self.core_stats] for i, key in enumerate(("tokens", "waiting", "graph"))}
+            timeline |= dict(zip(("tokens", "waiting", "graph"), map(list, zip(*self.core_stats))))
         return timeline
 
 

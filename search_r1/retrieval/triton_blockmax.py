@@ -61,14 +61,12 @@ BUCKETS = (16, 64, 256, 1024)
 # the tensor cores, and the pointer kernel above reaches 0.86–0.88 of cuBLAS's matmul alone: its
 # loads go through registers and every tile pays its own pipeline start. TMA copies straight into
 # shared memory and the persistent loop lets the next tile's loads overlap this tile's epilogue.
-def _tma_configs():
-    return [triton.Config({"BM": bm, "BN": bn, "BK": bk}, num_warps=w, num_stages=s)
-            for bm, bn, bk, w, s in [(128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (128, 128, 64, 8, 4),
-                                     (128, 128, 128, 8, 3), (64, 256, 64, 4, 4), (128, 256, 128, 8, 2),
-                                     (256, 128, 64, 8, 3)]]
-
-
-@triton.autotune(configs=_tma_configs(), key=["B_BUCKET", "D"])
+@triton.autotune(
+    configs=[triton.Config({"BM": bm, "BN": bn, "BK": bk}, num_warps=w, num_stages=s)
+             for bm, bn, bk, w, s in [(128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (128, 128, 64, 8, 4),
+                                      (128, 128, 128, 8, 3), (64, 256, 64, 4, 4), (128, 256, 128, 8, 2),
+                                      (256, 128, 64, 8, 3)]],
+    key=["B_BUCKET", "D"])
 @triton.jit
 def _blockmax_kernel_tma(q_ptr, x_ptr, out_ptr, B, B_BUCKET, N_ROWS, N_BLOCKS, D: tl.constexpr,
                          BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SUB: tl.constexpr,
