@@ -234,11 +234,13 @@ class StepTimer:
     a core step's outputs waited before this process took them (with the core in its own process,
     the loop sees finished turns that much later).
 
-    With vLLM's statistics on (`--core-stats`: log stats and CUDA-graph metrics), every core step is
-    kept, also one that advanced no request (a prefill chunk), with the tokens it scheduled, the
-    requests left waiting and the CUDA-graph mode it ran in; `core_modes` then sums steps and seconds
-    per mode, and `prefill_steps`/`prefill_step_s` those that scheduled more tokens than they
-    advanced requests (they carried a prefill)."""
+    With vLLM's statistics on (`--core-stats`: log stats, CUDA-graph metrics, iteration details),
+    every core step is kept, also one that advanced no request (a prefill chunk), with the tokens it
+    scheduled, the requests left waiting, the CUDA-graph mode it ran in and how long the core waited
+    for its output; `core_modes` then sums steps and seconds per mode, `prefill_steps`/`prefill_step_s`
+    those that scheduled more tokens than they advanced requests (they carried a prefill), and
+    `core_wait_frac` the share of the span the core waited on the GPU (the rest it spent in its own
+    Python: scheduling, bookkeeping, outputs)."""
 
     def __init__(self, engine):
         self.llm_engine = getattr(getattr(engine, "llm", None), "llm_engine", None)
@@ -250,7 +252,7 @@ class StepTimer:
         self.core_steps: list[tuple[float, int]] = []  # (core's monotonic time stamp, requests advanced)
         self.lags: list[float] = []  # seconds from a core step's outputs to this process taking them
         self.with_stats = bool(getattr(self.llm_engine, "log_stats", False))
-        self.core_stats: list[tuple[int, int, str]] = []  # per core step: tokens, waiting, graph mode
+        self.core_stats: list[tuple[int, int, str, float]] = []  # per core step: tokens, waiting, graph mode, wait ms
 
     def __enter__(self):
         self.entered = time.monotonic()
@@ -286,10 +288,15 @@ class StepTimer:
                     self.core_steps.append((stamp, len(outputs.outputs)))
                     self.lags.append(now - stamp)
                     if self.with_stats:
+                        # CUDA-graph statistics come from vLLM's first model runner only; the
+                        # iteration details (vLLM >= 0.26) from every runner.
                         graph = getattr(stats, "cudagraph_stats", None)
-                        self.core_stats.append((graph.num_unpadded_tokens if graph else -1,
-                                                stats.num_waiting_reqs if stats else -1,
-                                                str(graph.runtime_mode) if graph else "unknown"))
+                        details = getattr(stats, "iteration_details", None)
+                        tokens = (graph.num_unpadded_tokens if graph else
+                                  details.num_ctx_tokens + details.num_generation_tokens if details else -1)
+                        self.core_stats.append((tokens, stats.num_waiting_reqs if stats else -1,
+                                                str(graph.runtime_mode) if graph else "unknown",
+                                                round(details.elapsed_ms, 3) if details else -1.0))
                 return outputs
 
             self.core_client.get_output = get_output
@@ -316,11 +323,12 @@ class StepTimer:
 
     def timeline(self) -> dict:
         """The core steps as seconds from the first and requests advanced (for --timeline), and with
-        --core-stats the tokens each scheduled, the requests waiting and its CUDA-graph mode."""
+        --core-stats the tokens each scheduled, the requests waiting, its CUDA-graph mode and the
+        milliseconds the core waited for its output."""
         t0 = self.core_steps[0][0] if self.core_steps else 0.0
         timeline = {"t": [round(t - t0, 5) for t, _ in self.core_steps], "batch": [n for _, n in self.core_steps]}
         if self.core_stats:
-            timeline |= dict(zip(("tokens", "waiting", "graph"), map(list, zip(*self.core_stats))))
+            timeline |= dict(zip(("tokens", "waiting", "graph", "wait_ms"), map(list, zip(*self.core_stats))))
         return timeline
 
 
@@ -339,22 +347,28 @@ def core_timeline_stats(core_steps: list[tuple[float, int]]) -> dict:
             "core_gaps_s": round(sum(gap - median for gap in gaps if gap > 10 * median), 3)}
 
 
-def core_mode_stats(core_steps: list[tuple[float, int]], core_stats: list[tuple[int, int, str]]) -> dict:
+def core_mode_stats(core_steps: list[tuple[float, int]], core_stats: list[tuple[int, int, str, float]]) -> dict:
     """Steps and seconds per CUDA-graph mode, and of the steps that carried a prefill; a step's
-    seconds are the interval that ends at its time stamp. Empty without --core-stats."""
+    seconds are the interval that ends at its time stamp. `core_wait_frac`: the share of the core's
+    span it spent blocked on the model's output (vLLM's iteration details: with asynchronous
+    scheduling the core waits only when it has nothing left to prepare) — near 1 the GPU sets the
+    pace, near 0 the core's own Python does. Empty without --core-stats."""
     if len(core_stats) != len(core_steps) or len(core_steps) < 2:
         return {}
     modes: dict[str, list] = {}
     prefill_steps, prefill_s = 0, 0.0
-    for (t_prev, _), (t, advanced), (tokens, _, mode) in zip(core_steps, core_steps[1:], core_stats[1:]):
+    waits = [wait for *_, wait in core_stats[1:] if wait >= 0]
+    for (t_prev, _), (t, advanced), (tokens, _, mode, _) in zip(core_steps, core_steps[1:], core_stats[1:]):
         entry = modes.setdefault(mode, [0, 0.0])
         entry[0] += 1
         entry[1] += t - t_prev
         if tokens > advanced:
             prefill_steps += 1
             prefill_s += t - t_prev
+    span = core_steps[-1][0] - core_steps[0][0]
     return {"core_modes": {mode: {"steps": n, "s": round(sec, 3)} for mode, (n, sec) in sorted(modes.items())},
-            "prefill_steps": prefill_steps, "prefill_step_s": round(prefill_s, 3)}
+            "prefill_steps": prefill_steps, "prefill_step_s": round(prefill_s, 3),
+            **({"core_wait_frac": round(sum(waits) / 1000 / span, 3)} if waits and span > 0 else {})}
 
 
 @contextlib.contextmanager
@@ -372,6 +386,26 @@ def profiled(path: str | None, title: str):
         stats = pstats.Stats(prof, stream=f)
         stats.sort_stats("tottime").print_stats(30)
         stats.sort_stats("cumulative").print_stats(40)
+
+
+@contextlib.contextmanager
+def gpu_profiled(engine, trace_dir: str | None, label: str):
+    """With `trace_dir` (`--torch-profile`), vLLM's torch profiler records a window of the block's
+    engine steps (its profiler config says which), and the trace is renamed `{label}.pt.trace.json.gz`
+    for `trace_steps.py`. The core stops to write the trace when the window ends: walls measured so
+    are for diagnosis only."""
+    if not trace_dir or not hasattr(engine, "llm"):
+        yield
+        return
+    before = set(Path(trace_dir).glob("*.pt.trace.json*"))
+    engine.llm.start_profile()
+    try:
+        yield
+    finally:
+        engine.llm.stop_profile()
+        new = sorted(set(Path(trace_dir).glob("*.pt.trace.json*")) - before, key=lambda f: f.stat().st_mtime)
+        for k, trace in enumerate(new):  # one per window; none if the block ended before the window began
+            trace.rename(Path(trace_dir) / f"{label}{f'-{k}' if k else ''}.pt.trace.json.gz")
 
 
 def turns_of(t) -> list[tuple[int, list[int]]]:
@@ -555,7 +589,7 @@ def median_run(runs: list[tuple[float, dict]]) -> tuple[float, dict, list[float]
 
 def measure(engine_name: str, engine, plain, searcher, prompts_all, concurrencies, schedules, cfg, sampling,
             common: dict, emit, profile: str | None = None, admit_every: tuple[int, ...] = (8,),
-            baseline_repeats: int = 1, timeline_path: str | None = None) -> None:
+            baseline_repeats: int = 1, timeline_path: str | None = None, torch_profile: str | None = None) -> None:
     from search_r1.agent.loop import Schedule
 
     for n in concurrencies:
@@ -571,7 +605,8 @@ def measure(engine_name: str, engine, plain, searcher, prompts_all, concurrencie
             run = {**common, "engine": engine_name, "trajectories": n, "schedule": schedule, **extra}
             timelines = {mode: [] for mode in ("agent", "plain", "plain_with_obs", "replay")}
             cold_prefix_cache(engine)
-            agent, turns_B = run_agent(engine, searcher, prompts, cfg_s, sampling, profile, timelines["agent"])
+            with gpu_profiled(engine, torch_profile, f"agent-{n}-{schedule}{admit or ''}"):
+                agent, turns_B = run_agent(engine, searcher, prompts, cfg_s, sampling, profile, timelines["agent"])
             n_tokens_B = [sum(k for k, _ in turns) for turns in turns_B]
             obs_ids_B = [[i for _, obs in turns for i in obs] for turns in turns_B]
             # Each baseline `baseline_repeats` times, the repeats interleaved (plain, plain + obs, replay,
@@ -593,7 +628,8 @@ def measure(engine_name: str, engine, plain, searcher, prompts_all, concurrencie
                              sum(n_tokens_B), k + 1, baseline_repeats)
                     title = f"{mode}, {n} trajectories, after the {schedule} schedule"
                     cold_prefix_cache(engine)
-                    with profiled(profile if mode == "plain_with_obs" else None, title):
+                    with (profiled(profile if mode == "plain_with_obs" else None, title),
+                          gpu_profiled(engine, torch_profile, f"{mode}-{n}-{schedule}{admit or ''}-{k}")):
                         done[mode].append(baseline(timelines[mode]))
             plain_s, plain_stats, plain_all = median_run(done["plain"])
             obs_s, obs_stats, obs_all = median_run(done["plain_with_obs"])
@@ -687,11 +723,17 @@ def main(argv=None):
     p.add_argument("--timeline", help="append every run's engine-core timeline (time stamps, requests advanced per "
                                       "core step) to this JSONL file")
     p.add_argument("--core-stats", action="store_true",
-                   help="vLLM: statistics of every core step (log stats + CUDA-graph metrics): tokens scheduled, "
-                        "requests waiting, CUDA-graph mode (rows: core_modes, prefill_steps; --timeline: per step)")
+                   help="vLLM: statistics of every core step (log stats, CUDA-graph metrics, iteration details): "
+                        "tokens scheduled, requests waiting, CUDA-graph mode, time waited on the GPU "
+                        "(rows: core_modes, prefill_steps, core_wait_frac; --timeline: per step)")
     p.add_argument("--profile", help="append a cProfile summary of every agent rollout and plain run with "
                                      "observations to this file "
                                      "(slows the loop's Python: rows measured so are for diagnosis only)")
+    p.add_argument("--torch-profile", metavar="DIR",
+                   help="vLLM: record a window of engine steps of every run with the torch profiler into DIR "
+                        "(summarise with trace_steps.py; the walls are then for diagnosis only)")
+    p.add_argument("--torch-profile-steps", default="300,40", type=lambda s: tuple(map(int, s.split(","))),
+                   help="the window: steps after each run's start, steps recorded")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     if a.quick:
@@ -735,7 +777,7 @@ def main(argv=None):
               "cudagraph_mode": a.cudagraph_mode or "default",
               "max_cudagraph_capture_size": a.max_cudagraph_capture_size or "default",
               "retrieval_devices": a.retrieval_devices or "default", "engine_core": a.engine_core,
-              "core_stats": a.core_stats}
+              "core_stats": a.core_stats, **({"torch_profile": True} if a.torch_profile else {})}
     log.info("model %s; mean turn %.0f tokens, cap %d; vLLM at %s, HF at %s", model, mean_turn, cap, vllm_n, hf_n)
 
     rows: list[dict] = []
@@ -779,7 +821,16 @@ def main(argv=None):
                 if compilation:
                     kw["compilation_config"] = compilation
                 if a.core_stats:
-                    kw |= {"disable_log_stats": False, "cudagraph_metrics": True}
+                    kw |= {"disable_log_stats": False, "cudagraph_metrics": True,
+                           "enable_logging_iteration_details": True}
+                    logging.getLogger("vllm.v1.metrics.loggers").setLevel(logging.WARNING)  # a line per step
+                if a.torch_profile:  # a window of steps of every run, each step named with its batch
+                    a.torch_profile = str(Path(a.torch_profile).resolve())
+                    kw["profiler_config"] = {
+                        "profiler": "torch", "torch_profiler_dir": a.torch_profile, "torch_profiler_with_stack": False,
+                        "torch_profiler_dump_cuda_time_total": False, "detailed_trace_annotation": True,
+                        "ignore_frontend": True, "delay_iterations": a.torch_profile_steps[0],
+                        "max_iterations": a.torch_profile_steps[1]}
                 engine = VLLMEngine(model, seed=a.seed, max_model_len=max_model_len,
                                     separate_core=a.engine_core == "separate", **kw)
                 common["engine_core_client"] = type(engine.llm.llm_engine.engine_core).__name__  # InprocClient or not
@@ -795,7 +846,8 @@ def main(argv=None):
             log.info("tag logit bias %s", common["tag_bias"])
             sampling = SamplingConfig(temperature=1.0, top_p=1.0, max_tokens=cap, logit_bias=logit_bias)
             measure(name, engine, plain, searcher, prompts_all, concurrencies, schedules, cfg, sampling, common, emit,
-                    a.profile, tuple(int(k) for k in a.admit_every_steps.split(",")), a.baseline_repeats, a.timeline)
+                    a.profile, tuple(int(k) for k in a.admit_every_steps.split(",")), a.baseline_repeats, a.timeline,
+                    a.torch_profile if name == "vllm" else None)
     finally:
         server.stop()
     print_table(rows)

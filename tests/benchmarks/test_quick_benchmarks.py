@@ -67,10 +67,12 @@ def test_rollout_with_engine_core_in_its_own_process(tmp_path):
         # Every core step has its mode (eager on CPU: "NONE"); the first admission is a prefill.
         assert sum(m["steps"] for m in a["core_modes"].values()) == a["core_steps"] - 1
         assert 1 <= a["prefill_steps"] < a["core_steps"] and 0 < a["prefill_step_s"] < a["core_span_s"]
+        assert 0 < a["core_wait_frac"] <= 1  # the core waits for the model at least while it computes
         if a["retrieval_calls"]:
             assert 0 < a["retrieval_call_ms_p50"] <= a["retrieval_call_ms_p90"]
     timelines = [json.loads(line) for line in (tmp_path / "timeline.jsonl").read_text().splitlines()]
     assert {t["mode"] for t in timelines} == {"agent", "plain", "plain_with_obs", "replay"}
     first = next(t for t in timelines if t["mode"] == "agent")
     assert len(first["t"]) == len(first["batch"]) == agent[0]["core_steps"] and first["t"] == sorted(first["t"])
-    assert len(first["tokens"]) == len(first["waiting"]) == len(first["graph"]) == len(first["t"])
+    assert len(first["tokens"]) == len(first["waiting"]) == len(first["graph"]) == len(first["wait_ms"]) \
+        == len(first["t"])
