@@ -236,9 +236,9 @@ class StepTimer:
 
     With vLLM's statistics on (`--core-stats`: log stats, CUDA-graph metrics, iteration details),
     every core step is kept, also one that advanced no request (a prefill chunk), with the tokens it
-    scheduled, the requests left waiting, the CUDA-graph mode it ran in and how long the core waited
-    for its output; `core_modes` then sums steps and seconds per mode, `prefill_steps`/`prefill_step_s`
-    those that scheduled more tokens than they advanced requests (they carried a prefill), and
+    scheduled (and how many of them were prefill), the requests left waiting, the CUDA-graph mode it
+    ran in and how long the core waited for its output; `core_modes` then sums steps and seconds per
+    mode, `prefill_steps`/`prefill_step_s` those that carried a prefill, and
     `core_wait_frac` the share of the span the core waited on the GPU (the rest it spent in its own
     Python: scheduling, bookkeeping, outputs)."""
 
@@ -252,7 +252,8 @@ class StepTimer:
         self.core_steps: list[tuple[float, int]] = []  # (core's monotonic time stamp, requests advanced)
         self.lags: list[float] = []  # seconds from a core step's outputs to this process taking them
         self.with_stats = bool(getattr(self.llm_engine, "log_stats", False))
-        self.core_stats: list[tuple[int, int, str, float]] = []  # per core step: tokens, waiting, graph mode, wait ms
+        # per core step: tokens, prefill tokens, requests waiting, CUDA-graph mode, ms waited on the GPU
+        self.core_stats: list[tuple[int, int, int, str, float]] = []
 
     def __enter__(self):
         self.entered = time.monotonic()
@@ -294,7 +295,8 @@ class StepTimer:
                         details = getattr(stats, "iteration_details", None)
                         tokens = (graph.num_unpadded_tokens if graph else
                                   details.num_ctx_tokens + details.num_generation_tokens if details else -1)
-                        self.core_stats.append((tokens, stats.num_waiting_reqs if stats else -1,
+                        self.core_stats.append((tokens, details.num_ctx_tokens if details else -1,
+                                                stats.num_waiting_reqs if stats else -1,
                                                 str(graph.runtime_mode) if graph else "unknown",
                                                 round(details.elapsed_ms, 3) if details else -1.0))
                 return outputs
@@ -328,7 +330,8 @@ class StepTimer:
         t0 = self.core_steps[0][0] if self.core_steps else 0.0
         timeline = {"t": [round(t - t0, 5) for t, _ in self.core_steps], "batch": [n for _, n in self.core_steps]}
         if self.core_stats:
-            timeline |= dict(zip(("tokens", "waiting", "graph", "wait_ms"), map(list, zip(*self.core_stats))))
+            timeline |= dict(zip(("tokens", "prefill_tokens", "waiting", "graph", "wait_ms"),
+                                 map(list, zip(*self.core_stats))))
         return timeline
 
 
@@ -347,7 +350,7 @@ def core_timeline_stats(core_steps: list[tuple[float, int]]) -> dict:
             "core_gaps_s": round(sum(gap - median for gap in gaps if gap > 10 * median), 3)}
 
 
-def core_mode_stats(core_steps: list[tuple[float, int]], core_stats: list[tuple[int, int, str, float]]) -> dict:
+def core_mode_stats(core_steps: list[tuple[float, int]], core_stats: list[tuple[int, int, int, str, float]]) -> dict:
     """Steps and seconds per CUDA-graph mode, and of the steps that carried a prefill; a step's
     seconds are the interval that ends at its time stamp. `core_wait_frac`: the share of the core's
     span it spent blocked on the model's output (vLLM's iteration details: with asynchronous
@@ -358,11 +361,14 @@ def core_mode_stats(core_steps: list[tuple[float, int]], core_stats: list[tuple[
     modes: dict[str, list] = {}
     prefill_steps, prefill_s = 0, 0.0
     waits = [wait for *_, wait in core_stats[1:] if wait >= 0]
-    for (t_prev, _), (t, advanced), (tokens, _, mode, _) in zip(core_steps, core_steps[1:], core_stats[1:]):
+    for (t_prev, _), (t, advanced), (tokens, prefill, _, mode, _) in zip(core_steps, core_steps[1:], core_stats[1:]):
         entry = modes.setdefault(mode, [0, 0.0])
         entry[0] += 1
         entry[1] += t - t_prev
-        if tokens > advanced:
+        # vLLM's count of prefill tokens where it gives one: "more tokens than requests advanced" also
+        # holds for a step that decoded a request the loop had just aborted (a stop string matched).
+        carried_prefill = prefill > 0 if prefill >= 0 else tokens > advanced
+        if carried_prefill:
             prefill_steps += 1
             prefill_s += t - t_prev
     span = core_steps[-1][0] - core_steps[0][0]

@@ -74,5 +74,5 @@ def test_rollout_with_engine_core_in_its_own_process(tmp_path):
     assert {t["mode"] for t in timelines} == {"agent", "plain", "plain_with_obs", "replay"}
     first = next(t for t in timelines if t["mode"] == "agent")
     assert len(first["t"]) == len(first["batch"]) == agent[0]["core_steps"] and first["t"] == sorted(first["t"])
-    assert len(first["tokens"]) == len(first["waiting"]) == len(first["graph"]) == len(first["wait_ms"]) \
-        == len(first["t"])
+    assert len(first["tokens"]) == len(first["prefill_tokens"]) == len(first["waiting"]) == len(first["wait_ms"]) \
+        == len(first["graph"]) == len(first["t"])
