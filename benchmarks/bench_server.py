@@ -61,14 +61,15 @@ def build_synthetic(n: int, dim: int, out_dir: str, tokenizer: str, encoder_laye
     return corpus, enc_dir
 
 
-def serve_synthetic(a):
+def synthetic_retriever(a):
+    """The dense retriever over the synthetic data (built in the server's process or, with
+    --worker-process, in its worker process)."""
     import torch
 
     from search_r1.retrieval.corpus import Corpus
     from search_r1.retrieval.dense import DenseRetriever, ExactIndex
     from search_r1.retrieval.encoders import Encoder, EncoderSpec
-    from search_r1.retrieval.server import ServerConfig, serve
-    sys.path.insert(0, os.path.dirname(__file__))
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from bench_dense_search import make_vectors
 
     corpus, enc_dir = build_synthetic(a.n, a.dim, a.workdir, a.tokenizer, a.encoder_layers)
@@ -80,7 +81,19 @@ def serve_synthetic(a):
     index = ExactIndex(x, devices)
     del x
     encoder = Encoder(enc_dir, device=devices[0], spec=EncoderSpec.for_model("e5"), batch_size=512)
-    retriever = DenseRetriever(encoder, index, Corpus(corpus), "synthetic")
+    return DenseRetriever(encoder, index, Corpus(corpus), "synthetic")
+
+
+def serve_synthetic(a):
+    from search_r1.retrieval.server import ServerConfig, serve
+
+    if a.worker_process:
+        from functools import partial
+
+        from search_r1.retrieval.worker_process import ProcessRetriever
+        retriever = ProcessRetriever(partial(synthetic_retriever, a))
+    else:
+        retriever = synthetic_retriever(a)
     serve(retriever, ServerConfig(max_batch=a.max_batch, max_wait_ms=a.max_wait_ms,
                                   max_pending=1 << 20), port=a.port, name="synthetic-e5")
 
@@ -145,6 +158,8 @@ def main(argv=None):
     p.add_argument("--devices", help="comma-separated devices to shard the vectors over (default: one GPU, "
                    "or the CPU); the encoder runs on the first")
     p.add_argument("--serve", action="store_true", help="only run the server, until stopped (no clients)")
+    p.add_argument("--worker-process", action="store_true",
+                   help="the retriever in a process of its own (`search-r1 serve --worker_process`)")
     a = p.parse_args(argv)
     from search_r1.retrieval.models import resolve_model
     a.tokenizer = resolve_model(a.tokenizer)

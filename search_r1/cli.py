@@ -49,6 +49,9 @@ def _serve_parser(sub):
     _add(p, "max_pending", type=int, default=c.max_pending)
     _add(p, "max_topk", type=int, default=c.max_topk)
     _add(p, "max_queries_per_request", type=int, default=c.max_queries_per_request)
+    _add(p, "worker_process", action="store_true",
+         help="run the retriever (encoder, index, corpus) in a child process, away from the HTTP "
+              "event loop's interpreter lock")
     p.set_defaults(func=_serve)
 
 
@@ -64,7 +67,14 @@ def _serve(args):
                        max_batch=args.max_batch, max_wait_ms=args.max_wait_ms,
                        max_pending=args.max_pending,
                        api_key=args.api_key or os.environ.get("SEARCH_R1_API_KEY"))
-    serve(build_retriever(r_args), cfg, args.host, args.port, name=args.retriever_name)
+    if args.worker_process:
+        from functools import partial
+
+        from search_r1.retrieval.worker_process import ProcessRetriever
+        retriever = ProcessRetriever(partial(build_retriever, r_args))
+    else:
+        retriever = build_retriever(r_args)
+    serve(retriever, cfg, args.host, args.port, name=args.retriever_name)
 
 
 def _index_parser(sub):

@@ -5,7 +5,9 @@ its GPU), so FAISS/PyTorch are never entered concurrently. The worker takes what
 requests fit into `max_batch` queries, waiting at most `max_wait_ms` for more, and answers them
 all from one encode+search call. If that call fails, each request of the batch is retried alone,
 so one bad request never fails the others. The queue is bounded (`max_pending` queries): past it
-the server answers 503 with Retry-After instead of growing memory.
+the server answers 503 with Retry-After instead of growing memory. With `--worker_process` the
+retriever itself lives in a child process (`worker_process.ProcessRetriever`) and the worker thread
+only passes batches to it.
 
 Differences from the original server: `return_scores: false` works (documents only), bad input
 gets a 4xx that says what is wrong, and `/health` and `/metrics` exist.

@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import vllm_skip_reason
+from conftest import free_port, vllm_skip_reason
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = ["bench_dense_search.py", "bench_corpus.py", "bench_server.py", "bench_cpu_indexes.py",
@@ -31,6 +31,20 @@ def test_quick(script, tmp_path):
     assert rows, "no results written"
     if script == "bench_grpo_step.py":  # --quick steers the random policy into searching (a logit bias)
         assert all(row["agent/searches"] > 0 and row["response/observation_tokens"] > 0 for row in rows)
+
+
+def test_server_with_worker_process(tmp_path):
+    """bench_server.py --worker-process: the synthetic retriever is built and searched in the
+    server's child process; the clients get answers and /health the child's counters."""
+    out = tmp_path / "out.jsonl"
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_server.py"), "--quick", "--worker-process",
+                        "--out", str(out), "--workdir", str(tmp_path / "work"), "--port", str(free_port())],
+                       capture_output=True, text=True, timeout=300, cwd=ROOT,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert rows and all(row["qps"] > 0 for row in rows)
+    assert "'encode':" in r.stdout  # the worker phases came back from the child
 
 
 def test_rollout_with_engine_core_in_its_own_process(tmp_path):

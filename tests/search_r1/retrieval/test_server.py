@@ -206,3 +206,52 @@ def test_retrieval_launch_script(dense_index, corpus_jsonl, tmp_path):
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+def worker_pids(pid: int) -> list[int]:
+    """Child processes of `pid` (Linux /proc), less multiprocessing's resource tracker."""
+    from pathlib import Path
+    children = [int(c) for task in Path(f"/proc/{pid}/task").iterdir()
+                for c in (task / "children").read_text().split()]
+    return [c for c in children if b"resource_tracker" not in Path(f"/proc/{c}/cmdline").read_bytes()]
+
+
+def test_worker_process_answers_like_the_worker_thread(dense_server, dense_index, corpus_jsonl, tmp_path):
+    """`--worker_process`: the same answers as the server with the retriever in its thread; a worker
+    process that dies is replaced (the request that saw it die may fail, the next ones are answered)."""
+    import os
+    import signal
+
+    from conftest import ServerProcess
+    server = ServerProcess(["--retriever_name", "minilm", "--retriever_model", "all-MiniLM-L6-v2",
+                            "--index_path", str(dense_index), "--corpus_path", str(corpus_jsonl),
+                            "--worker_process"], tmp_path / "worker_process.log")
+    try:
+        body = {"queries": ["capital of Japan", "red planet", "board game with 64 squares"], "topk": 3,
+                "return_scores": True}
+        ours, theirs = post(server, body).json()["result"], post(dense_server, body).json()["result"]
+        assert [[h["document"]["id"] for h in hits] for hits in ours] == \
+               [[h["document"]["id"] for h in hits] for hits in theirs]
+        assert ours[0][0]["score"] == pytest.approx(theirs[0][0]["score"], abs=1e-5)
+        assert httpx.get(server.url + "/health").json()["stats"]  # the child's counters come back
+
+        children = worker_pids(server.proc.pid)
+        assert len(children) == 1, "one worker process"
+        os.kill(children[0], signal.SIGKILL)
+        time.sleep(0.5)
+        statuses = [post(server, {"queries": ["capital of Japan"], "topk": 1}).status_code for _ in range(2)]
+        assert statuses[-1] == 200 and set(statuses) <= {200, 500}
+        assert post(server, body).json()["result"] == ours
+        replaced = worker_pids(server.proc.pid)
+        assert len(replaced) == 1 and replaced != children
+    finally:
+        server.stop()
+
+
+def test_worker_process_start_up_errors_reach_the_command_line(dense_index, tmp_path, capsys):
+    from conftest import FACTS, write_corpus
+    short = write_corpus(tmp_path / "short.jsonl", FACTS[:-3])
+    assert cli_main(["serve", "--retriever_model", "all-MiniLM-L6-v2", "--index_path", str(dense_index),
+                     "--corpus_path", str(short), "--worker_process"]) == 2
+    err = capsys.readouterr().err
+    assert "37 rows" in err and "40 vectors" in err
