@@ -31,6 +31,9 @@ the continuous schedule (vLLM) steps the engine itself and adds each next turn t
 vLLM's engine core (scheduler and model) runs in this process, as in the trainer, which pushes
 weights into it; `--engine-core separate` gives it a process of its own, so the agent loop's Python
 (admissions, detokenising, search threads) no longer competes with the scheduler for one interpreter.
+`--engines K` (with a separate core) runs K engines on the same device, each with 1/K of the
+trajectories and of the memory share, all at once — the agent and each baseline alike: where one
+core's per-request CPU work leaves the GPU idle part of every step, K cores may fill it.
 
 Model: random weights of a Qwen2.5 shape (Llama layout, tied embeddings, as `bench_grpo_step.py`
 builds it), vocabulary = the tokenizer's: SmolLM2's 49,152 (+2 tags) by default; pass --tokenizer
@@ -83,6 +86,7 @@ import logging
 import math
 import pstats
 import sys
+import threading
 import time
 from collections import Counter
 from dataclasses import replace
@@ -665,6 +669,99 @@ def measure(engine_name: str, engine, plain, searcher, prompts_all, concurrencie
                             f.write(json.dumps({**run, "mode": mode, "repeat": k, **timeline}) + "\n")
 
 
+def in_parallel(calls: list) -> tuple[float, list]:
+    """Runs the calls at once, one thread each, released together; returns the seconds from the
+    release to the last one's end and their results, in order."""
+    results, errors = [None] * len(calls), []
+    release = threading.Barrier(len(calls) + 1)
+
+    def run(i, call):
+        release.wait()
+        try:
+            results[i] = call()
+        except BaseException as e:  # re-raised below, in the caller's thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i, call)) for i, call in enumerate(calls)]
+    for t in threads:
+        t.start()
+    release.wait()
+    t0 = time.perf_counter()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return time.perf_counter() - t0, results
+
+
+def merged_agent_stats(parts: list[dict], sizes: list[int], wall_s: float) -> dict:
+    """One row from the agent rollouts of several engines run at once (`--engines`); each engine's
+    own statistics stay in `per_engine`."""
+    tokens = sum(p["model_tokens"] for p in parts)
+    turns = sum(p["turns_per_trajectory"] * n for p, n in zip(parts, sizes))
+    finish: Counter = Counter()
+    for p in parts:
+        finish.update(p["finish"])
+    return {"wall_s": round(wall_s, 3), "model_tokens": tokens, "tokens_per_s": round(tokens / wall_s, 1),
+            **{key: sum(p[key] for p in parts) for key in (
+                "prompt_tokens", "observation_tokens", "searches_valid", "invalid_actions", "retrieval_calls",
+                "searches_without_passages", "retrieval_failed")},
+            "turns_per_trajectory": round(turns / sum(sizes), 3), "model_tokens_per_turn": round(tokens / turns, 1),
+            "retrieval_busy_s": round(sum(p["retrieval_busy_s"] for p in parts), 3), "finish": dict(finish),
+            "per_engine": parts}
+
+
+def measure_split(engines: list, searchers: list, prompts_all, concurrencies, cfg, sampling, common: dict, emit,
+                  admit_every: tuple[int, ...], baseline_repeats: int) -> None:
+    """`--engines K`: K vLLM engines (cores in processes of their own) share the GPU, each with
+    1/K of the trajectories, all running at once — the agent, then each baseline the same way. When
+    one engine core is the bottleneck (its per-request CPU work, with the GPU idle part of each
+    step), K cores can keep the GPU busier; the rows say whether they do (`engines`: K)."""
+    from search_r1.agent.loop import Schedule
+
+    k = len(engines)
+    for n in concurrencies:
+        bounds = [n * i // k for i in range(k + 1)]
+        chunks = [prompts_all[lo:hi] for lo, hi in zip(bounds, bounds[1:])]
+        sizes = [len(c) for c in chunks]
+        for admit in admit_every:
+            log.info("vllm x%d: %d trajectories, continuous schedule, admitting every %d steps", k, n, admit)
+            cfg_s = replace(cfg, schedule=Schedule.CONTINUOUS, admit_every_steps=admit)
+            run = {**common, "engine": "vllm", "engines": k, "trajectories": n, "schedule": "continuous",
+                   "admit_every_steps": admit}
+            for engine in engines:
+                cold_prefix_cache(engine)
+            wall_s, outs = in_parallel([
+                lambda e=e, s=s, c=c: run_agent(e, s, c, cfg_s, sampling) for e, s, c in zip(engines, searchers, chunks)])
+            agent = merged_agent_stats([stats for stats, _ in outs], sizes, wall_s)
+            turns_K = [turns for _, turns in outs]
+            n_tokens_K = [[sum(t for t, _ in turns) for turns in turns_B] for turns_B in turns_K]
+            obs_K = [[[i for _, obs in turns for i in obs] for turns in turns_B] for turns_B in turns_K]
+            baselines = {
+                "plain": lambda e, c, i: plain_vllm(e, c, n_tokens_K[i], sampling),
+                "plain_with_obs": lambda e, c, i: plain_vllm(e, [p + o for p, o in zip(c, obs_K[i])], n_tokens_K[i],
+                                                             sampling),
+                "replay": lambda e, c, i: replay_vllm(e, c, turns_K[i], sampling, admit)}
+            done: dict[str, list] = {mode: [] for mode in baselines}
+            for _ in range(baseline_repeats):  # interleaved, as in `measure`
+                for mode, baseline in baselines.items():
+                    for engine in engines:
+                        cold_prefix_cache(engine)
+                    wall, outs_ = in_parallel([lambda e=e, c=c, i=i: baseline(e, c, i)
+                                               for i, (e, c) in enumerate(zip(engines, chunks))])
+                    done[mode].append((wall, {"per_engine": [stats for _, stats in outs_]}))
+            walls = {mode: median_run(runs) for mode, runs in done.items()}
+            emit({**run, "mode": "agent", **agent,
+                  "ratio_to_plain": round(walls["plain"][0] / wall_s, 3),
+                  "ratio_to_plain_with_obs": round(walls["plain_with_obs"][0] / wall_s, 3),
+                  "ratio_to_replay": round(walls["replay"][0] / wall_s, 3)})
+            for mode, (wall, stats, wall_all) in walls.items():
+                emit({**run, "mode": mode, "wall_s": round(wall, 3), "wall_s_all": wall_all,
+                      "model_tokens": agent["model_tokens"], "tokens_per_s": round(agent["model_tokens"] / wall, 1),
+                      "prompt_tokens": agent["prompt_tokens"] + (agent["observation_tokens"] if mode == "plain_with_obs"
+                                                                 else 0), **stats})
+
+
 def print_table(rows: list[dict]) -> None:
     def key(r):
         return r["engine"], r["trajectories"], r["schedule"], r.get("admit_every_steps")
@@ -735,6 +832,9 @@ def main(argv=None):
     p.add_argument("--profile", help="append a cProfile summary of every agent rollout and plain run with "
                                      "observations to this file "
                                      "(slows the loop's Python: rows measured so are for diagnosis only)")
+    p.add_argument("--engines", type=int, default=1,
+                   help="vLLM: this many engines share the device, each with 1/K of the trajectories and of "
+                        "--gpu-memory-utilization, all running at once (needs --engine-core separate)")
     p.add_argument("--torch-profile", metavar="DIR",
                    help="vLLM: record a window of engine steps of every run with the torch profiler into DIR "
                         "(summarise with trace_steps.py; the walls are then for diagnosis only)")
@@ -748,6 +848,11 @@ def main(argv=None):
         from conftest import vllm_skip_reason
         a.engine = a.engine or ("hf" if vllm_skip_reason() else "both")
     a.engine = a.engine or "both"
+    if a.engines > 1 and (a.engine != "vllm" or a.engine_core != "separate" or a.profile or a.torch_profile
+                          or a.timeline or a.core_stats):
+        raise SystemExit("--engines > 1 runs vLLM engine cores in processes of their own: it needs --engine vllm "
+                         "--engine-core separate, and takes none of --profile, --torch-profile, --timeline, "
+                         "--core-stats")
     gpu = torch.cuda.is_available() and not a.quick
     mean_turn = a.response_tokens / (a.max_turns + 1)
     if mean_turn <= 2:
@@ -783,7 +888,9 @@ def main(argv=None):
               "cudagraph_mode": a.cudagraph_mode or "default",
               "max_cudagraph_capture_size": a.max_cudagraph_capture_size or "default",
               "retrieval_devices": a.retrieval_devices or "default", "engine_core": a.engine_core,
-              "core_stats": a.core_stats, **({"torch_profile": True} if a.torch_profile else {})}
+              "core_stats": a.core_stats, **({"torch_profile": True} if a.torch_profile else {}),
+              **({"gpu_memory_utilization_each": round(a.gpu_memory_utilization / a.engines, 3)}
+                 if a.engines > 1 and gpu else {})}
     log.info("model %s; mean turn %.0f tokens, cap %d; vLLM at %s, HF at %s", model, mean_turn, cap, vllm_n, hf_n)
 
     rows: list[dict] = []
@@ -820,7 +927,7 @@ def main(argv=None):
             if not concurrencies:
                 continue
             if name == "vllm":
-                kw = ({"gpu_memory_utilization": a.gpu_memory_utilization} if gpu
+                kw = ({"gpu_memory_utilization": a.gpu_memory_utilization / a.engines} if gpu
                       else {"kv_cache_memory_bytes": 256 << 20})  # small explicit CPU cache: no profiling run
                 compilation = {k: v for k, v in (("cudagraph_mode", a.cudagraph_mode),
                                                   ("max_cudagraph_capture_size", a.max_cudagraph_capture_size)) if v}
@@ -851,6 +958,15 @@ def main(argv=None):
             common["tag_bias"] = {tag: round(logit_bias[t], 3) for tag, t in zip(TAGS, tag_ids)}
             log.info("tag logit bias %s", common["tag_bias"])
             sampling = SamplingConfig(temperature=1.0, top_p=1.0, max_tokens=cap, logit_bias=logit_bias)
+            if name == "vllm" and a.engines > 1:
+                engines = [engine] + [VLLMEngine(model, seed=a.seed + i, max_model_len=max_model_len,
+                                                 separate_core=True, **kw) for i in range(1, a.engines)]
+                for other in engines[1:]:
+                    other.generate(prompts_all[:8], SamplingConfig(max_tokens=8), [])  # warm-up
+                searchers = [searcher] + [TimedSearcher(HTTPSearcher(searcher.inner.cfg)) for _ in engines[1:]]
+                measure_split(engines, searchers, prompts_all, concurrencies, cfg, sampling, common, emit,
+                              tuple(int(k) for k in a.admit_every_steps.split(",")), a.baseline_repeats)
+                continue
             measure(name, engine, plain, searcher, prompts_all, concurrencies, schedules, cfg, sampling, common, emit,
                     a.profile, tuple(int(k) for k in a.admit_every_steps.split(",")), a.baseline_repeats, a.timeline,
                     a.torch_profile if name == "vllm" else None)

@@ -90,3 +90,30 @@ def test_rollout_with_engine_core_in_its_own_process(tmp_path):
     assert len(first["t"]) == len(first["batch"]) == agent[0]["core_steps"] and first["t"] == sorted(first["t"])
     assert len(first["tokens"]) == len(first["prefill_tokens"]) == len(first["waiting"]) == len(first["wait_ms"]) \
         == len(first["graph"]) == len(first["t"])
+
+
+def test_rollout_with_two_engines_sharing_the_device(tmp_path):
+    """--engines 2: two vLLM engines (cores in processes of their own), each with half the
+    trajectories, run the agent and every baseline at once; one row per mode with both engines'
+    statistics, the replay writing exactly the agent's tokens on each engine."""
+    if reason := vllm_skip_reason():
+        pytest.skip(reason)
+    out = tmp_path / "out.jsonl"
+    args = [sys.executable, str(ROOT / "benchmarks" / "bench_rollout.py"), "--quick", "--engine", "vllm",
+            "--schedules", "continuous", "--engine-core", "separate", "--engines", "2", "--trajectories", "8",
+            "--out", str(out), "--workdir", str(tmp_path / "work")]
+    r = subprocess.run(args, capture_output=True, text=True, timeout=300, cwd=ROOT,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert {row["mode"] for row in rows} == {"agent", "plain", "plain_with_obs", "replay"}
+    assert all(row["engines"] == 2 and len(row["per_engine"]) == 2 for row in rows)
+    for agent in (row for row in rows if row["mode"] == "agent"):
+        same = [row for row in rows if row["mode"] != "agent" and row["trajectories"] == agent["trajectories"]]
+        assert all(row["model_tokens"] == agent["model_tokens"] for row in same)
+        assert agent["model_tokens"] == sum(part["model_tokens"] for part in agent["per_engine"])
+        replay = next(row for row in same if row["mode"] == "replay")
+        assert agent["ratio_to_replay"] == pytest.approx(replay["wall_s"] / agent["wall_s"], abs=0.002)
+    bad = subprocess.run(args[:-4] + ["--engine-core", "in-process"], capture_output=True, text=True, timeout=120,
+                         cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert bad.returncode != 0 and "needs --engine vllm --engine-core separate" in bad.stderr
