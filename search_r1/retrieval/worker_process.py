@@ -82,6 +82,7 @@ class ProcessRetriever(Retriever):
         if not self._proc.is_alive():
             log.error("retrieval worker process %d exited (code %s); starting a new one",
                       self._proc.pid, self._proc.exitcode)
+            self._conn.close()
             self._start()
         try:
             self._conn.send((queries, topk))
