@@ -67,17 +67,18 @@ def steps_of(events: list[dict]) -> list[dict]:
     for i, mark in enumerate(marks[:-1]):  # the last one has no end: the next step's start
         tokens, ctx_n, ctx_q, ctx_kv, gen_n, gen_q, gen_kv = map(int, STEP.match(mark["name"]).groups())
         ks = kernels.get(i, [])
+        per_name = _per_name(ks)
         by_kind = defaultdict(float)
-        for k in ks:
-            by_kind[kernel_kind(k["name"])] += k["dur"]
+        for name, ms in per_name.items():
+            by_kind[kernel_kind(name)] += ms
         steps.append({
             "tokens": tokens, "prefill_requests": ctx_n, "prefill_tokens": ctx_q, "decode_requests": gen_n,
             "decode_kv": gen_kv, "prefill_kv": ctx_kv,
             "cpu_ms": (starts[i + 1] - starts[i]) / 1000,
-            "kernel_ms": sum(k["dur"] for k in ks) / 1000,
+            "kernel_ms": sum(per_name.values()),
             "gpu_ms": (max(k["ts"] + k["dur"] for k in ks) - min(k["ts"] for k in ks)) / 1000 if ks else 0.0,
-            **{f"{kind}_ms": by_kind[kind] / 1000 for kind in ("attention", "gemm", "other")},
-            "kernels": _per_name(ks),
+            **{f"{kind}_ms": by_kind[kind] for kind in ("attention", "gemm", "other")},
+            "kernels": per_name,
         })
     return steps
 
