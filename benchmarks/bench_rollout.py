@@ -787,6 +787,16 @@ def print_table(rows: list[dict]) -> None:
               f"{r['prompt_tokens']:>7}+{r['observation_tokens']:<7}  {finish}")
 
 
+def vllm_arg(item: str) -> tuple[str, object]:
+    key, sep, value = item.partition("=")
+    if not (key and sep):
+        raise argparse.ArgumentTypeError(f"{item!r}: write KEY=VALUE, e.g. max_num_seqs=512")
+    try:
+        return key, json.loads(value)
+    except json.JSONDecodeError:
+        return key, value
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", choices=sorted(SHAPES), default="3b")
@@ -835,6 +845,10 @@ def main(argv=None):
     p.add_argument("--engines", type=int, default=1,
                    help="vLLM: this many engines share the device, each with 1/K of the trajectories and of "
                         "--gpu-memory-utilization, all running at once (needs --engine-core separate)")
+    p.add_argument("--vllm-arg", action="append", default=[], metavar="KEY=VALUE", type=vllm_arg,
+                   help="vLLM: one more vllm.LLM argument, VALUE read as JSON if it parses (else a string); "
+                        "repeatable, e.g. --vllm-arg max_num_batched_tokens=16384 --vllm-arg "
+                        "prefix_caching_hash_algo=xxhash (rows: vllm_args)")
     p.add_argument("--torch-profile", metavar="DIR",
                    help="vLLM: record a window of engine steps of every run with the torch profiler into DIR "
                         "(summarise with trace_steps.py; the walls are then for diagnosis only)")
@@ -890,7 +904,8 @@ def main(argv=None):
               "retrieval_devices": a.retrieval_devices or "default", "engine_core": a.engine_core,
               "core_stats": a.core_stats, **({"torch_profile": True} if a.torch_profile else {}),
               **({"gpu_memory_utilization_each": round(a.gpu_memory_utilization / a.engines, 3)}
-                 if a.engines > 1 and gpu else {})}
+                 if a.engines > 1 and gpu else {}),
+              **({"vllm_args": dict(a.vllm_arg)} if a.vllm_arg else {})}
     log.info("model %s; mean turn %.0f tokens, cap %d; vLLM at %s, HF at %s", model, mean_turn, cap, vllm_n, hf_n)
 
     rows: list[dict] = []
@@ -933,6 +948,7 @@ def main(argv=None):
                                                   ("max_cudagraph_capture_size", a.max_cudagraph_capture_size)) if v}
                 if compilation:
                     kw["compilation_config"] = compilation
+                kw |= dict(a.vllm_arg)
                 if a.core_stats:
                     kw |= {"disable_log_stats": False, "cudagraph_metrics": True,
                            "enable_logging_iteration_details": True}

@@ -185,7 +185,8 @@ def main(argv=None):
         print(f"server ready in {time.perf_counter() - t:.1f} s", flush=True)
         rows = []
         for c in map(int, a.clients.split(",")):
-            row = {"n": a.n, **load(url + "/retrieve", c, a.queries_per_request, a.duration, a.client_procs)}
+            row = {"n": a.n, "worker_process": a.worker_process,
+                   **load(url + "/retrieve", c, a.queries_per_request, a.duration, a.client_procs)}
             print(json.dumps(row), flush=True)
             rows.append(row)
         print("worker phases:", httpx.get(url + "/health").json().get("stats"))

@@ -43,7 +43,7 @@ def test_server_with_worker_process(tmp_path):
                        env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert r.returncode == 0, r.stderr[-3000:]
     rows = [json.loads(line) for line in out.read_text().splitlines()]
-    assert rows and all(row["qps"] > 0 for row in rows)
+    assert rows and all(row["qps"] > 0 and row["worker_process"] for row in rows)
     assert "'encode':" in r.stdout  # the worker phases came back from the child
 
 
@@ -95,19 +95,22 @@ def test_rollout_with_engine_core_in_its_own_process(tmp_path):
 def test_rollout_with_two_engines_sharing_the_device(tmp_path):
     """--engines 2: two vLLM engines (cores in processes of their own), each with half the
     trajectories, run the agent and every baseline at once; one row per mode with both engines'
-    statistics, the replay writing exactly the agent's tokens on each engine."""
+    statistics, the replay writing exactly the agent's tokens on each engine. --vllm-arg reaches
+    both engines: at most two sequences run at once in either."""
     if reason := vllm_skip_reason():
         pytest.skip(reason)
     out = tmp_path / "out.jsonl"
     args = [sys.executable, str(ROOT / "benchmarks" / "bench_rollout.py"), "--quick", "--engine", "vllm",
             "--schedules", "continuous", "--engine-core", "separate", "--engines", "2", "--trajectories", "8",
-            "--out", str(out), "--workdir", str(tmp_path / "work")]
+            "--vllm-arg", "max_num_seqs=2", "--out", str(out), "--workdir", str(tmp_path / "work")]
     r = subprocess.run(args, capture_output=True, text=True, timeout=300, cwd=ROOT,
                        env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert r.returncode == 0, r.stderr[-3000:]
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert {row["mode"] for row in rows} == {"agent", "plain", "plain_with_obs", "replay"}
     assert all(row["engines"] == 2 and len(row["per_engine"]) == 2 for row in rows)
+    assert all(row["vllm_args"] == {"max_num_seqs": 2} for row in rows)
+    assert all(0 < part["core_mean_batch"] <= 2 for row in rows for part in row["per_engine"])
     for agent in (row for row in rows if row["mode"] == "agent"):
         same = [row for row in rows if row["mode"] != "agent" and row["trajectories"] == agent["trajectories"]]
         assert all(row["model_tokens"] == agent["model_tokens"] for row in same)

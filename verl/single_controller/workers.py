@@ -51,6 +51,19 @@ def separate_engine_core(rollout, device: str) -> bool:
     return rollout.engine_core == "separate" or (rollout.engine_core == "auto" and device == "cuda")
 
 
+def vllm_engine_kwargs(rollout, world: int, separate: bool, device: str) -> dict:
+    """What `vllm.LLM` gets besides the settings that have keys of their own: the trainer's choices,
+    then rollout.engine_kwargs over them (a compilation_config given there replaces the trainer's)."""
+    kw = {}
+    if world > 1 and not separate:  # each process is one data-parallel rank of vLLM
+        kw["distributed_executor_backend"] = "external_launcher"
+    if device == "cpu":  # a small fixed KV cache: no share-of-RAM probing on CPU
+        kw["kv_cache_memory_bytes"] = 256 << 20
+    if rollout.max_cudagraph_capture_size:
+        kw["compilation_config"] = {"max_cudagraph_capture_size": rollout.max_cudagraph_capture_size}
+    return kw | dict(rollout.engine_kwargs or {})
+
+
 def agent_schedule(rollout, device: str) -> str:
     """The agent loop's schedule (rollout.schedule; auto: continuous where the engine can step, i.e.
     vLLM, on a GPU, and sync otherwise)."""
@@ -107,20 +120,14 @@ class PolicyWorker:
             cfg.max_turns * cfg.data.max_obs_length
         if rollout.name == "vllm":
             separate = separate_engine_core(rollout, self.device)
-            kw = {}
-            if self.sizes.world > 1 and not separate:  # each process is one data-parallel rank of vLLM
-                kw["distributed_executor_backend"] = "external_launcher"
-            if self.device == "cpu":  # a small fixed KV cache: no share-of-RAM probing on CPU
-                kw["kv_cache_memory_bytes"] = 256 << 20
-            if rollout.max_cudagraph_capture_size:
-                kw["compilation_config"] = {"max_cudagraph_capture_size": rollout.max_cudagraph_capture_size}
             self.engine = VLLMEngine(path, seed=cfg.trainer.seed + self.rank,
                                      gpu_memory_utilization=rollout.gpu_memory_utilization,
                                      max_model_len=rollout.max_model_len or budget,
                                      enable_sleep_mode=rollout.enable_sleep and self.device == "cuda",
                                      enforce_eager=rollout.enforce_eager,
                                      tensor_parallel_size=rollout.tensor_model_parallel_size,
-                                     separate_core=separate, **kw)
+                                     separate_core=separate,
+                                     **vllm_engine_kwargs(rollout, self.sizes.world, separate, self.device))
         elif rollout.name == "hf":
             self.engine = HFEngine(path, device=self.device,
                                    dtype="bfloat16" if self.device == "cuda" else "float32",

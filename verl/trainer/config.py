@@ -110,6 +110,22 @@ class RolloutConfig:
     # token id -> added to its logit before sampling, in training and validation rollouts alike. The
     # actor's log-probs do not see it: biased samples are off-policy by the bias (benchmarks, bans).
     logit_bias: dict[int, float] | None = None
+    # vLLM only: more keyword arguments of vllm.LLM (e.g. max_num_seqs, max_num_batched_tokens,
+    # prefix_caching_hash_algo); the settings above that have keys of their own are set there.
+    engine_kwargs: dict[str, Any] | None = None
+
+
+# vllm.LLM arguments that rollout keys set: engine_kwargs must not set them a second time.
+VLLM_ARGS_WITH_KEYS = {
+    "model": "actor_rollout_ref.model.path", "seed": "trainer.seed",
+    "gpu_memory_utilization": "actor_rollout_ref.rollout.gpu_memory_utilization",
+    "max_model_len": "actor_rollout_ref.rollout.max_model_len",
+    "enable_sleep_mode": "actor_rollout_ref.rollout.enable_sleep",
+    "enforce_eager": "actor_rollout_ref.rollout.enforce_eager",
+    "tensor_parallel_size": "actor_rollout_ref.rollout.tensor_model_parallel_size",
+    "separate_core": "actor_rollout_ref.rollout.engine_core",
+    "worker_extension_cls": "the trainer (it pushes weights through it)",
+}
 
 
 @dataclass
@@ -213,6 +229,14 @@ def load_config(raw) -> TrainerConfig:
 
 
 def _check_ranges(cfg: TrainerConfig) -> None:
+    rollout = cfg.actor_rollout_ref.rollout
+    if rollout.engine_kwargs and rollout.name != "vllm":
+        raise ConfigError(f"actor_rollout_ref.rollout.engine_kwargs are vLLM's arguments; rollout.name="
+                          f"{rollout.name!r} takes none: remove them or use rollout.name=vllm")
+    clash = sorted(set(rollout.engine_kwargs or ()) & set(VLLM_ARGS_WITH_KEYS))
+    if clash:
+        raise ConfigError(f"actor_rollout_ref.rollout.engine_kwargs.{clash[0]} is set by "
+                          f"{VLLM_ARGS_WITH_KEYS[clash[0]]}: use that instead")
     for key, ratio in (("actor_rollout_ref.model.gradient_checkpointing_ratio",
                         cfg.actor_rollout_ref.model.gradient_checkpointing_ratio),
                        ("critic.model.gradient_checkpointing_ratio", cfg.critic.model.gradient_checkpointing_ratio)):

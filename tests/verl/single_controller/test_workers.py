@@ -3,7 +3,7 @@ out of GPU memory. The failing engine is a stand-in: running a real GPU out of m
 what a CPU test can do."""
 import pytest
 
-from verl.single_controller.workers import PolicyWorker, agent_schedule, separate_engine_core
+from verl.single_controller.workers import PolicyWorker, agent_schedule, separate_engine_core, vllm_engine_kwargs
 from verl.trainer.config import RolloutConfig, TrainerConfig
 
 
@@ -19,6 +19,17 @@ def test_auto_schedule_and_engine_core_follow_the_device():
     assert separate_engine_core(RolloutConfig(engine_core="separate"), "cpu")
     with pytest.raises(ValueError, match="engine_core='child'"):
         separate_engine_core(RolloutConfig(engine_core="child"), "cuda")
+
+
+def test_vllm_engine_kwargs_put_the_users_over_the_trainers():
+    rollout = RolloutConfig()
+    assert vllm_engine_kwargs(rollout, 1, True, "cuda") == {"compilation_config": {"max_cudagraph_capture_size": 2048}}
+    assert vllm_engine_kwargs(RolloutConfig(max_cudagraph_capture_size=None), 2, False, "cuda") == {
+        "distributed_executor_backend": "external_launcher"}  # one vLLM rank per process
+    assert vllm_engine_kwargs(rollout, 1, False, "cpu")["kv_cache_memory_bytes"] == 256 << 20
+    mine = RolloutConfig(engine_kwargs={"max_num_seqs": 512, "compilation_config": {"cudagraph_mode": "FULL"}})
+    assert vllm_engine_kwargs(mine, 1, True, "cuda") == {"max_num_seqs": 512,
+                                                        "compilation_config": {"cudagraph_mode": "FULL"}}
 
 
 class EngineOutOfMemory:

@@ -33,6 +33,26 @@ def test_logit_bias_takes_token_ids_from_the_command_line():
             load_config(raw)
 
 
+def test_engine_kwargs_reach_vllm_unless_a_key_of_their_own_sets_them():
+    from hydra import compose, initialize_config_dir
+    base = ["data.train_files=t.parquet", "actor_rollout_ref.model.path=m"]
+    with initialize_config_dir(config_dir=str(CONFIG.parent), version_base=None):
+        assert load_config(compose("ppo_trainer", overrides=base)).actor_rollout_ref.rollout.engine_kwargs is None
+        raw = compose("ppo_trainer", overrides=base + [
+            "actor_rollout_ref.rollout.engine_kwargs={max_num_seqs:512,prefix_caching_hash_algo:xxhash}"])
+        assert load_config(raw).actor_rollout_ref.rollout.engine_kwargs == {
+            "max_num_seqs": 512, "prefix_caching_hash_algo": "xxhash"}
+        raw = compose("ppo_trainer", overrides=base + [
+            "actor_rollout_ref.rollout.engine_kwargs={gpu_memory_utilization:0.3}"])
+        with pytest.raises(ConfigError, match="engine_kwargs.gpu_memory_utilization is set by "
+                                              "actor_rollout_ref.rollout.gpu_memory_utilization"):
+            load_config(raw)
+        raw = compose("ppo_trainer", overrides=base + [
+            "actor_rollout_ref.rollout.name=hf", "actor_rollout_ref.rollout.engine_kwargs={max_num_seqs:8}"])
+        with pytest.raises(ConfigError, match="rollout.name='hf' takes none"):
+            load_config(raw)
+
+
 def test_logit_bias_outside_the_vocabulary_stops_the_trainer(tiny_model_dir, tmp_path):
     import subprocess
     import sys
