@@ -80,7 +80,8 @@ def synthetic_retriever(a):
     x = make_vectors(a.n, a.dim, devices[0] if len(devices) == 1 else "cpu", dtype)
     index = ExactIndex(x, devices)
     del x
-    encoder = Encoder(enc_dir, device=devices[0], spec=EncoderSpec.for_model("e5"), batch_size=512)
+    encoder = Encoder(enc_dir, device=devices[0], spec=EncoderSpec.for_model("e5"), batch_size=512,
+                      cuda_graphs=a.encoder_cuda_graphs)
     return DenseRetriever(encoder, index, Corpus(corpus), "synthetic")
 
 
@@ -158,6 +159,8 @@ def main(argv=None):
     p.add_argument("--devices", help="comma-separated devices to shard the vectors over (default: one GPU, "
                    "or the CPU); the encoder runs on the first")
     p.add_argument("--serve", action="store_true", help="only run the server, until stopped (no clients)")
+    p.add_argument("--encoder-cuda-graphs", action="store_true",
+                   help="replay the query encoder from CUDA graphs (`search-r1 serve --encoder_cuda_graphs`)")
     p.add_argument("--worker-process", action="store_true",
                    help="the retriever in a process of its own (`search-r1 serve --worker_process`)")
     a = p.parse_args(argv)
@@ -185,7 +188,7 @@ def main(argv=None):
         print(f"server ready in {time.perf_counter() - t:.1f} s", flush=True)
         rows = []
         for c in map(int, a.clients.split(",")):
-            row = {"n": a.n, "worker_process": a.worker_process,
+            row = {"n": a.n, "worker_process": a.worker_process, "encoder_cuda_graphs": a.encoder_cuda_graphs,
                    **load(url + "/retrieve", c, a.queries_per_request, a.duration, a.client_procs)}
             print(json.dumps(row), flush=True)
             rows.append(row)

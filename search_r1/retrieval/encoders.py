@@ -48,13 +48,21 @@ def default_device() -> str:
 
 
 class Encoder:
-    """Batched text → L2-normalised float32 vectors (fp16/bf16 compute on GPU)."""
+    """Batched text → L2-normalised float32 vectors (fp16/bf16 compute on GPU).
+
+    `cuda_graphs=True` (GPU only) replays the forward pass as CUDA graphs captured per shape bucket
+    (`CudaGraphForward`): a batch of short queries then costs one graph launch instead of the
+    hundreds of kernel launches the eager model makes from Python.
+    """
 
     def __init__(self, model: str, device: str | None = None, dtype: str = "auto",
-                 spec: EncoderSpec | None = None, max_length: int = 256, batch_size: int = 256):
+                 spec: EncoderSpec | None = None, max_length: int = 256, batch_size: int = 256,
+                 cuda_graphs: bool = False):
         from transformers import AutoModel, AutoTokenizer
 
         self.device = device or default_device()
+        if cuda_graphs and not self.device.startswith("cuda"):
+            raise ValueError(f"cuda_graphs needs a CUDA device; the encoder is on {self.device}")
         if dtype == "auto":
             dtype = "float16" if self.device.startswith("cuda") else "float32"
         self.dtype = getattr(torch, dtype)
@@ -64,7 +72,9 @@ class Encoder:
         self.tokenizer = AutoTokenizer.from_pretrained(model)
         self.model = AutoModel.from_pretrained(model, dtype=self.dtype).to(self.device).eval()
         self.dim = self.model.config.hidden_size
-        log.info("encoder %s on %s (%s, pooling=%s)", model, self.device, dtype, self.spec.pooling)
+        self.graphs = CudaGraphForward(self._forward, torch.device(self.device), max_length) if cuda_graphs else None
+        log.info("encoder %s on %s (%s, pooling=%s%s)", model, self.device, dtype, self.spec.pooling,
+                 ", CUDA graphs" if cuda_graphs else "")
 
     def encode_queries(self, texts: list[str]) -> np.ndarray:
         return self.encode([self.spec.query_prefix + t for t in texts])
@@ -81,8 +91,12 @@ class Encoder:
             idx = order[lo:lo + self.batch_size]
             batch = self.tokenizer([texts[i] for i in idx], padding=True, truncation=True,
                                    max_length=self.max_length, return_tensors="pt").to(self.device)
-            out[idx] = self._pool(self.model(**batch), batch["attention_mask"]).float().cpu().numpy()
+            forward = self.graphs or self._forward
+            out[idx] = forward(dict(batch)).float().cpu().numpy()
         return out
+
+    def _forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self._pool(self.model(**batch), batch["attention_mask"])
 
     def _pool(self, output, mask_BT: torch.Tensor) -> torch.Tensor:
         if self.spec.pooling == Pooling.CLS:
@@ -95,3 +109,63 @@ class Encoder:
         if self.spec.normalize:
             emb_BD = torch.nn.functional.normalize(emb_BD.float(), dim=-1)
         return emb_BD
+
+
+def shape_bucket(n: int, smallest: int, largest: int) -> int:
+    """The power of two ≥ n, within [smallest, largest] (n ≤ largest): the shapes captured as graphs."""
+    return min(largest, max(smallest, 1 << (n - 1).bit_length()))
+
+
+class CudaGraphForward:
+    """A batch's forward pass (token tensors → pooled vectors) replayed from CUDA graphs.
+
+    One graph per (batch, length) bucket, both powers of two, captured the first time a batch of
+    that bucket comes (a few hundred ms each). A batch is copied into the bucket's fixed input
+    buffers: extra columns are padding (attention mask 0, so each row's vector is the same as with
+    eager padding, up to rounding); extra rows get one visible token so that no softmax runs over a
+    fully masked row, and their vectors are dropped. All graphs share one memory pool: they are
+    replayed one at a time and each output is read before the next replay.
+    If a capture fails (a model whose forward synchronises with the host), the eager forward is
+    used from then on, with a warning.
+    """
+
+    def __init__(self, forward, device: torch.device, max_length: int, max_batch: int = 4096):
+        self.forward, self.device = forward, device
+        self.max_length, self.max_batch = max_length, max_batch
+        self.pool = torch.cuda.graph_pool_handle()
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, dict[str, torch.Tensor], torch.Tensor]] = {}
+        self.failed = False
+
+    def __call__(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        B, T = batch["input_ids"].shape
+        if self.failed or B > self.max_batch:
+            return self.forward(batch)
+        key = (shape_bucket(B, 8, self.max_batch), shape_bucket(T, 16, max(T, self.max_length)))
+        if key not in self.graphs:
+            try:
+                self.graphs[key] = self._capture(*key, names=list(batch))
+            except RuntimeError as e:
+                log.warning("CUDA graph capture of the encoder failed (%s); encoding eagerly from now on", e)
+                self.failed = True
+                return self.forward(batch)
+        graph, inputs, out_BD = self.graphs[key]
+        for name, x_BT in inputs.items():
+            x_BT.zero_()
+            x_BT[:B, :T].copy_(batch[name])
+        inputs["attention_mask"][B:, 0] = 1
+        graph.replay()
+        return out_BD[:B]
+
+    def _capture(self, B: int, T: int, names: list[str]):
+        inputs = {name: torch.zeros(B, T, dtype=torch.long, device=self.device) for name in names}
+        inputs["attention_mask"][:, 0] = 1
+        side = torch.cuda.Stream(self.device)  # warm-up off the default stream, as capture requires
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self.forward(inputs)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out_BD = self.forward(inputs)
+        return graph, inputs, out_BD

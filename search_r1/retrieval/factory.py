@@ -26,6 +26,7 @@ class RetrieverArgs:
     nprobe: int | None = None           # IVF lists probed
     query_max_length: int = 256
     encode_batch_size: int = 256
+    encoder_cuda_graphs: bool = False   # dense on a GPU: replay the query encoder from CUDA graphs
     reranker_model: str | None = None
     topk_retrieval: int = 10            # first-stage candidates per query when reranking
     web_cache_dir: str | None = None
@@ -94,5 +95,5 @@ def _dense(a: RetrieverArgs) -> Retriever:
         else a.retriever_name
     encoder = Encoder(resolve_model(a.retriever_model), device=(devices or [None])[0],
                       spec=EncoderSpec.for_model(family), max_length=a.query_max_length,
-                      batch_size=a.encode_batch_size)
+                      batch_size=a.encode_batch_size, cuda_graphs=a.encoder_cuda_graphs)
     return DenseRetriever(encoder, index, corpus, str(index_path))

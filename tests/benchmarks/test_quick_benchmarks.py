@@ -10,7 +10,7 @@ from conftest import free_port, vllm_skip_reason
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = ["bench_dense_search.py", "bench_corpus.py", "bench_server.py", "bench_cpu_indexes.py",
-           "bench_grpo_step.py", "bench_actor_update.py", "bench_rollout.py"]
+           "bench_grpo_step.py", "bench_actor_update.py", "bench_rollout.py", "bench_encoder.py"]
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
@@ -20,7 +20,7 @@ def test_quick(script, tmp_path):
     out = tmp_path / "out.jsonl"
     args = [sys.executable, str(ROOT / "benchmarks" / script), "--quick", "--out", str(out)]
     if script in ("bench_corpus.py", "bench_server.py", "bench_grpo_step.py", "bench_actor_update.py",
-                  "bench_rollout.py"):
+                  "bench_rollout.py", "bench_encoder.py"):
         args += ["--workdir", str(tmp_path / "work")]
     if script == "bench_server.py":
         args += ["--devices", "cpu,cpu"]  # the vectors sharded in two, as over several GPUs
@@ -31,6 +31,8 @@ def test_quick(script, tmp_path):
     assert rows, "no results written"
     if script == "bench_grpo_step.py":  # --quick steers the random policy into searching (a logit bias)
         assert all(row["agent/searches"] > 0 and row["response/observation_tokens"] > 0 for row in rows)
+    if script == "bench_encoder.py":  # on CPU the eager encoder only, compared with itself
+        assert all(row["mode"] == "eager" and row["min_cosine_to_eager"] > 0.9999 for row in rows)
 
 
 def test_server_with_worker_process(tmp_path):
