@@ -4,7 +4,9 @@ The retrieval server spends most of its time encoding (benchmarks/RESULTS.md, "W
 ≈ 30 ms for a batch of ≈ 190 short queries with a BERT-base (e5-base-shaped) encoder, far above
 what the GPU needs for ≈ 4k tokens. This times `Encoder.encode_queries` as the server calls it —
 tokenising, copying to the GPU, the forward pass, pooling, copying back — for several batch sizes,
-and the same with `cuda_graphs=True`, plus the tokeniser alone. Each row also gives the smallest
+and the same with `cuda_graphs=True`, plus the tokeniser alone: the encoder's own path (the Rust
+tokenizer's `encode_batch`) and the transformers call it replaces. TOKENIZERS_PARALLELISM=false
+makes the Rust tokenizer single-threaded; rows record the setting. Each row also gives the smallest
 cosine between the two encoders' vectors of the same queries (1.0 = equal). The model has random
 weights of the e5-base shape with MiniLM's (BERT) tokenizer; weights do not change the cost.
 
@@ -87,9 +89,10 @@ def main(argv=None):
     for b in batches:
         texts = [" ".join(rng.choices(WORDS, k=rng.randint(*lo_hi))) for _ in range(b)]
         eager = encoders["eager"]
-        tokenize_ms = timed(lambda: eager.tokenizer([spec.query_prefix + t for t in texts], padding=True,
-                                                     truncation=True, max_length=eager.max_length,
-                                                     return_tensors="pt"), a.repeats, sync=False)
+        prefixed = [spec.query_prefix + t for t in texts]
+        tokenize_ms = timed(lambda: eager.tokenize(prefixed), a.repeats, sync=False)
+        call_ms = timed(lambda: eager.tokenizer(prefixed, padding=True, truncation=True, max_length=eager.max_length,
+                                                return_tensors="pt"), a.repeats, sync=False)
         tokens = eager.tokenizer([spec.query_prefix + t for t in texts], padding=True)["input_ids"]
         ref = eager.encode_queries(texts)
         for mode, enc in encoders.items():
@@ -100,6 +103,8 @@ def main(argv=None):
             row = {"bench": "encoder", "device": name, "dim": a.dim, "layers": a.layers, "batch": b,
                    "padded_length": len(tokens[0]), "mode": mode, "ms_per_call": round(ms, 3),
                    "queries_per_s": round(b / ms * 1e3, 1), "tokenize_ms": round(tokenize_ms, 3),
+                   "tokenize_transformers_call_ms": round(call_ms, 3),
+                   "tokenizers_parallelism": os.environ.get("TOKENIZERS_PARALLELISM", "unset"),
                    "first_call_s": round(first_s, 3),
                    "min_cosine_to_eager": round(float(np.min(np.sum(vectors * ref, axis=1))), 5)}
             if mode == "cuda_graphs":

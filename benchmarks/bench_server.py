@@ -61,6 +61,17 @@ def build_synthetic(n: int, dim: int, out_dir: str, tokenizer: str, encoder_laye
     return corpus, enc_dir
 
 
+def devices_of(a) -> list[str]:
+    """The devices of the vectors; the encoder runs on the first."""
+    import torch
+    return a.devices.split(",") if a.devices else ["cuda" if torch.cuda.is_available() and not a.quick else "cpu"]
+
+
+def encoder_cuda_graphs(a) -> bool:
+    """As `search-r1 serve` decides: on where the encoder runs on a GPU, unless the flag says."""
+    return devices_of(a)[0].startswith("cuda") if a.encoder_cuda_graphs is None else a.encoder_cuda_graphs
+
+
 def synthetic_retriever(a):
     """The dense retriever over the synthetic data (built in the server's process or, with
     --worker-process, in its worker process)."""
@@ -73,15 +84,14 @@ def synthetic_retriever(a):
     from bench_dense_search import make_vectors
 
     corpus, enc_dir = build_synthetic(a.n, a.dim, a.workdir, a.tokenizer, a.encoder_layers)
-    default = "cuda" if torch.cuda.is_available() and not a.quick else "cpu"
-    devices = a.devices.split(",") if a.devices else [default]
+    devices = devices_of(a)
     dtype = torch.float16 if devices[0].startswith("cuda") else torch.float32
     # One device: made in place. Several: made in host memory, then each shard copied to its GPU.
     x = make_vectors(a.n, a.dim, devices[0] if len(devices) == 1 else "cpu", dtype)
     index = ExactIndex(x, devices)
     del x
     encoder = Encoder(enc_dir, device=devices[0], spec=EncoderSpec.for_model("e5"), batch_size=512,
-                      cuda_graphs=a.encoder_cuda_graphs)
+                      cuda_graphs=encoder_cuda_graphs(a))
     return DenseRetriever(encoder, index, Corpus(corpus), "synthetic")
 
 
@@ -159,8 +169,8 @@ def main(argv=None):
     p.add_argument("--devices", help="comma-separated devices to shard the vectors over (default: one GPU, "
                    "or the CPU); the encoder runs on the first")
     p.add_argument("--serve", action="store_true", help="only run the server, until stopped (no clients)")
-    p.add_argument("--encoder-cuda-graphs", action="store_true",
-                   help="replay the query encoder from CUDA graphs (`search-r1 serve --encoder_cuda_graphs`)")
+    p.add_argument("--encoder-cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
+                   help="the query encoder from CUDA graphs (default, as `search-r1 serve`: on a GPU)")
     p.add_argument("--worker-process", action="store_true",
                    help="the retriever in a process of its own (`search-r1 serve --worker_process`)")
     a = p.parse_args(argv)
@@ -188,7 +198,8 @@ def main(argv=None):
         print(f"server ready in {time.perf_counter() - t:.1f} s", flush=True)
         rows = []
         for c in map(int, a.clients.split(",")):
-            row = {"n": a.n, "worker_process": a.worker_process, "encoder_cuda_graphs": a.encoder_cuda_graphs,
+            row = {"n": a.n, "worker_process": a.worker_process, "encoder_cuda_graphs": encoder_cuda_graphs(a),
+                   "tokenizers_parallelism": os.environ.get("TOKENIZERS_PARALLELISM", "unset"),
                    **load(url + "/retrieve", c, a.queries_per_request, a.duration, a.client_procs)}
             print(json.dumps(row), flush=True)
             rows.append(row)

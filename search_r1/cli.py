@@ -36,8 +36,9 @@ def _serve_parser(sub):
     _add(p, "nprobe", type=int)
     _add(p, "query_max_length", type=int, default=d.query_max_length)
     _add(p, "encode_batch_size", type=int, default=d.encode_batch_size)
-    _add(p, "encoder_cuda_graphs", action="store_true",
-         help="dense on a GPU: replay the query encoder from CUDA graphs (one per batch/length bucket)")
+    _add(p, "encoder_cuda_graphs", action=argparse.BooleanOptionalAction, default=None,
+         help="dense: replay the query encoder from CUDA graphs, one per batch/length bucket "
+              "(default: on where the encoder runs on a GPU)")
     _add(p, "reranker_model", help="cross-encoder to re-score first-stage candidates")
     _add(p, "topk_retrieval", type=int, default=d.topk_retrieval)
     _add(p, "web_cache_dir")

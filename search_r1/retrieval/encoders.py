@@ -70,6 +70,7 @@ class Encoder:
         self.max_length = max_length
         self.batch_size = batch_size
         self.tokenizer = AutoTokenizer.from_pretrained(model)
+        self._rust = self._rust_tokenizer()
         self.model = AutoModel.from_pretrained(model, dtype=self.dtype).to(self.device).eval()
         self.dim = self.model.config.hidden_size
         self.graphs = CudaGraphForward(self._forward, torch.device(self.device), max_length) if cuda_graphs else None
@@ -89,11 +90,45 @@ class Encoder:
         order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
         for lo in range(0, len(texts), self.batch_size):
             idx = order[lo:lo + self.batch_size]
-            batch = self.tokenizer([texts[i] for i in idx], padding=True, truncation=True,
-                                   max_length=self.max_length, return_tensors="pt").to(self.device)
+            batch = {name: x.to(self.device) for name, x in self.tokenize([texts[i] for i in idx]).items()}
             forward = self.graphs or self._forward
-            out[idx] = forward(dict(batch)).float().cpu().numpy()
+            out[idx] = forward(batch).float().cpu().numpy()
         return out
+
+    def tokenize(self, texts: list[str]) -> dict[str, torch.Tensor]:
+        """The model's input tensors for a batch, padded to its longest text, cut at max_length.
+
+        Through the Rust tokenizer's `encode_batch` where the model has one: for 512 short queries
+        it took 2.9 ms (16 cores) where the transformers call took 11 ms, most of it turning every
+        encoding into Python lists (H200 node, benchmarks/RESULTS.md)."""
+        if self._rust is None:
+            return dict(self.tokenizer(texts, padding=True, truncation=True, max_length=self.max_length,
+                                       return_tensors="pt"))
+        encodings = self._rust.encode_batch(texts)
+        fields = {"input_ids": "ids", "attention_mask": "attention_mask", "token_type_ids": "type_ids"}
+        return {name: torch.from_numpy(np.array([getattr(e, fields[name]) for e in encodings], dtype=np.int64))
+                for name in self.tokenizer.model_input_names if name in fields}  # (torch.tensor of lists: 4x slower)
+
+    def _rust_tokenizer(self):
+        """A copy of the model's Rust tokenizer set to pad and cut as the transformers call does, or
+        None where there is none or it would tokenize differently (checked on probe texts)."""
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is None or self.tokenizer.pad_token_id is None:
+            return None
+        from tokenizers import Tokenizer
+
+        rust = Tokenizer.from_str(backend.to_str())  # a copy: the padding and truncation set here are ours
+        rust.enable_truncation(self.max_length)
+        rust.enable_padding(direction=self.tokenizer.padding_side, pad_id=self.tokenizer.pad_token_id,
+                            pad_type_id=self.tokenizer.pad_token_type_id, pad_token=self.tokenizer.pad_token)
+        probe = ["query: who wrote hamlet?", "x", "passage: " + "a long text of many words " * 200]
+        expected = self.tokenizer(probe, padding=True, truncation=True, max_length=self.max_length)
+        got = rust.encode_batch(probe)
+        if any(expected[name] != [getattr(e, attr) for e in got] for name, attr in
+               (("input_ids", "ids"), ("attention_mask", "attention_mask")) if name in expected):
+            log.info("the Rust tokenizer of this model differs from its transformers call: using the latter")
+            return None
+        return rust
 
     def _forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return self._pool(self.model(**batch), batch["attention_mask"])

@@ -26,7 +26,7 @@ class RetrieverArgs:
     nprobe: int | None = None           # IVF lists probed
     query_max_length: int = 256
     encode_batch_size: int = 256
-    encoder_cuda_graphs: bool = False   # dense on a GPU: replay the query encoder from CUDA graphs
+    encoder_cuda_graphs: bool | None = None  # dense: the query encoder from CUDA graphs; None: on a GPU
     reranker_model: str | None = None
     topk_retrieval: int = 10            # first-stage candidates per query when reranking
     web_cache_dir: str | None = None
@@ -69,7 +69,7 @@ def _bm25(a: RetrieverArgs) -> Retriever:
 def _dense(a: RetrieverArgs) -> Retriever:
     from search_r1.retrieval.corpus import Corpus
     from search_r1.retrieval.dense import FLAT_FOURCC, DenseRetriever, ExactIndex, load_vectors
-    from search_r1.retrieval.encoders import Encoder, EncoderSpec
+    from search_r1.retrieval.encoders import Encoder, EncoderSpec, default_device
     from search_r1.retrieval.models import resolve_model
 
     index_path = _require(a.index_path, "index_path")
@@ -93,7 +93,10 @@ def _dense(a: RetrieverArgs) -> Retriever:
     # retriever name (the original launcher's `--retriever_name e5`) decides the prefixes.
     family = a.retriever_model if any(f in a.retriever_model.lower() for f in ("e5", "bge", "dpr")) \
         else a.retriever_name
-    encoder = Encoder(resolve_model(a.retriever_model), device=(devices or [None])[0],
-                      spec=EncoderSpec.for_model(family), max_length=a.query_max_length,
-                      batch_size=a.encode_batch_size, cuda_graphs=a.encoder_cuda_graphs)
+    device = (devices or [default_device()])[0]
+    # CUDA graphs: a batch of short queries encoded 1.2-4x faster on an H200, the whole server 1.38x
+    # (benchmarks/RESULTS.md, "The query encoder").
+    graphs = device.startswith("cuda") if a.encoder_cuda_graphs is None else a.encoder_cuda_graphs
+    encoder = Encoder(resolve_model(a.retriever_model), device=device, spec=EncoderSpec.for_model(family),
+                      max_length=a.query_max_length, batch_size=a.encode_batch_size, cuda_graphs=graphs)
     return DenseRetriever(encoder, index, corpus, str(index_path))

@@ -33,3 +33,17 @@ def test_padding_to_a_bucket_keeps_every_vector():
         bucketed = enc._forward(padded)[:B].numpy()
     np.testing.assert_allclose(bucketed, eager, atol=1e-5)
     np.testing.assert_allclose(enc.encode(texts), eager, atol=1e-5)
+
+
+def test_rust_tokenizer_path_gives_the_transformers_calls_tensors():
+    enc = Encoder(resolve_model("all-MiniLM-L6-v2"), device="cpu", max_length=32)
+    assert enc._rust is not None  # MiniLM has a Rust (fast) tokenizer: the direct path is taken
+    texts = ["query: capital of france", "x", "passage: " + "many words of a long passage " * 20, ""]
+    fast = enc.tokenize(texts)
+    slow = dict(enc.tokenizer(texts, padding=True, truncation=True, max_length=32, return_tensors="pt"))
+    assert list(fast) == enc.tokenizer.model_input_names and fast.keys() == slow.keys()
+    for name in fast:
+        assert fast[name].dtype == torch.int64 and torch.equal(fast[name], slow[name]), name
+    assert fast["input_ids"].shape == (4, 32)  # cut at max_length, the others padded to it
+    # A copy pads to the longest text of a batch; the model's own tokenizer is left as it was.
+    assert enc._rust is not enc.tokenizer.backend_tokenizer and enc._rust.padding["length"] is None

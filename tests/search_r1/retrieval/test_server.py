@@ -99,6 +99,13 @@ def test_startup_refuses_mismatched_or_missing_files(dense_index, tmp_path, caps
     assert "nope does not exist" in capsys.readouterr().err
 
 
+def test_encoder_cuda_graphs_asked_for_on_cpu_stop_the_start(dense_index, corpus_jsonl, capsys):
+    args = ["serve", "--retriever_model", "all-MiniLM-L6-v2", "--index_path", str(dense_index),
+            "--corpus_path", str(corpus_jsonl), "--devices", "cpu", "--encoder_cuda_graphs"]
+    assert cli_main(args) == 2
+    assert "cuda_graphs needs a CUDA device; the encoder is on cpu" in capsys.readouterr().err
+
+
 class ThreadServer:
     """uvicorn in a thread, for tests that wrap the real retriever."""
 
