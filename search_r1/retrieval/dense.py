@@ -253,6 +253,7 @@ class DenseRetriever(Retriever):
         return {"calls": self.calls, "seconds": {k: round(v, 3) for k, v in self.seconds.items()}}
 
     def warmup(self) -> None:
+        self.encoder.warmup()
         for b in (1, 8, 64, 512):
             self.search(["warm-up query"] * b, 3)
 

@@ -130,6 +130,13 @@ class Encoder:
             return None
         return rust
 
+    @torch.inference_mode()
+    def warmup(self, lengths: tuple[int, ...] = (16, 32, 64)) -> None:
+        """With CUDA graphs: capture every batch bucket up to batch_size for these padded lengths
+        (queries of up to ≈ 60 tokens), so that no request waits for a capture."""
+        if self.graphs is not None:
+            self.graphs.capture_all(self.batch_size, lengths, self.tokenizer.model_input_names)
+
     def _forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return self._pool(self.model(**batch), batch["attention_mask"])
 
@@ -173,23 +180,37 @@ class CudaGraphForward:
 
     def __call__(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         B, T = batch["input_ids"].shape
-        if self.failed or B > self.max_batch:
+        entry = None if B > self.max_batch else self._graph(self._key(B, T), list(batch))
+        if entry is None:
             return self.forward(batch)
-        key = (shape_bucket(B, 8, self.max_batch), shape_bucket(T, 16, max(T, self.max_length)))
-        if key not in self.graphs:
-            try:
-                self.graphs[key] = self._capture(*key, names=list(batch))
-            except RuntimeError as e:
-                log.warning("CUDA graph capture of the encoder failed (%s); encoding eagerly from now on", e)
-                self.failed = True
-                return self.forward(batch)
-        graph, inputs, out_BD = self.graphs[key]
+        graph, inputs, out_BD = entry
         for name, x_BT in inputs.items():
             x_BT.zero_()
             x_BT[:B, :T].copy_(batch[name])
         inputs["attention_mask"][B:, 0] = 1
         graph.replay()
         return out_BD[:B]
+
+    def capture_all(self, max_batch: int, lengths: tuple[int, ...], names: list[str]) -> None:
+        """Capture the buckets of every batch size up to max_batch at these lengths."""
+        batch = 8
+        while batch < 2 * min(max_batch, self.max_batch) and not self.failed:
+            for length in lengths:
+                self._graph(self._key(batch, length), names)
+            batch *= 2
+
+    def _key(self, B: int, T: int) -> tuple[int, int]:
+        return shape_bucket(B, 8, self.max_batch), shape_bucket(T, 16, max(T, self.max_length))
+
+    def _graph(self, key: tuple[int, int], names: list[str]):
+        """The bucket's graph, captured on first use; None once a capture has failed."""
+        if key not in self.graphs and not self.failed:
+            try:
+                self.graphs[key] = self._capture(*key, names=names)
+            except RuntimeError as e:
+                log.warning("CUDA graph capture of the encoder failed (%s); encoding eagerly from now on", e)
+                self.failed = True
+        return None if self.failed else self.graphs[key]
 
     def _capture(self, B: int, T: int, names: list[str]):
         inputs = {name: torch.zeros(B, T, dtype=torch.long, device=self.device) for name in names}

@@ -39,3 +39,14 @@ def test_cuda_graph_vectors_equal_eager_ones(bert_dir):
     assert not graphed.graphs.failed
     buckets = set(graphed.graphs.graphs)
     assert {b for b, _ in buckets} == {8, 128, 256, 512} and len(buckets) <= 6  # 600 = 512 + 88
+
+
+def test_warmup_captures_the_buckets_of_short_queries(bert_dir):
+    graphed = Encoder(bert_dir, device="cuda", batch_size=100, cuda_graphs=True)
+    graphed.warmup()
+    assert set(graphed.graphs.graphs) == {(b, t) for b in (8, 16, 32, 64, 128) for t in (16, 32, 64)}
+    texts = queries(100, 5)  # up to 40 words: within 64 tokens
+    vectors = graphed.encode_queries(texts)
+    assert len(graphed.graphs.graphs) == 15  # nothing captured while serving
+    eager = Encoder(bert_dir, device="cuda", batch_size=100).encode_queries(texts)
+    assert np.min(np.sum(vectors * eager, axis=1)) > 0.999
