@@ -26,23 +26,10 @@ import time
 import numpy as np
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [os.path.dirname(HERE), HERE]  # the package, then the other benchmarks
 
-WORDS = ("capital city country river mountain king queen war born died president album film "
-         "novel author team league planet element language currency ocean island museum").split()
-
-
-def make_encoder_dir(out: str, tokenizer: str, dim: int, layers: int) -> str:
-    from transformers import AutoTokenizer, BertConfig, BertModel
-
-    if not os.path.exists(os.path.join(out, "config.json")):
-        tok = AutoTokenizer.from_pretrained(tokenizer)
-        torch.manual_seed(0)
-        cfg = BertConfig(vocab_size=tok.vocab_size, hidden_size=dim, num_hidden_layers=layers,
-                         num_attention_heads=max(1, dim // 64), intermediate_size=4 * dim)
-        BertModel(cfg).save_pretrained(out)
-        tok.save_pretrained(out)
-    return out
+from bench_server import WORDS, make_encoder_dir  # noqa: E402  (the server bench's queries and encoder)
 
 
 def timed(fn, repeats: int, sync: bool) -> float:

@@ -33,11 +33,9 @@ WORDS = ("capital city country river mountain king queen war born died president
 
 
 def build_synthetic(n: int, dim: int, out_dir: str, tokenizer: str, encoder_layers: int):
-    """Corpus (Arrow), encoder dir (random BERT of the e5-base shape) and the vectors (GPU)."""
+    """Corpus (Arrow) and encoder dir (random BERT of the e5-base shape)."""
     import pyarrow as pa
     import pyarrow.compute as pc
-    import torch
-    from transformers import AutoTokenizer, BertConfig, BertModel
 
     from search_r1.retrieval.corpus import SCHEMA
 
@@ -50,15 +48,22 @@ def build_synthetic(n: int, dim: int, out_dir: str, tokenizer: str, encoder_laye
                 contents = pc.binary_join_element_wise('"Passage ', ids,
                                                        '"\nSynthetic text of passage number ', ids, "")
                 w.write_batch(pa.record_batch([ids, contents.cast(pa.large_string())], schema=SCHEMA))
-    enc_dir = os.path.join(out_dir, "encoder-e5-shape")
-    if not os.path.exists(os.path.join(enc_dir, "config.json")):
+    return corpus, make_encoder_dir(os.path.join(out_dir, "encoder-e5-shape"), tokenizer, dim, encoder_layers)
+
+
+def make_encoder_dir(out: str, tokenizer: str, dim: int, layers: int) -> str:
+    """A BERT of the given shape with random weights and a real tokenizer, saved to `out` (once)."""
+    import torch
+    from transformers import AutoTokenizer, BertConfig, BertModel
+
+    if not os.path.exists(os.path.join(out, "config.json")):
         tok = AutoTokenizer.from_pretrained(tokenizer)
         torch.manual_seed(0)
-        cfg = BertConfig(vocab_size=tok.vocab_size, hidden_size=dim, num_hidden_layers=encoder_layers,
+        cfg = BertConfig(vocab_size=tok.vocab_size, hidden_size=dim, num_hidden_layers=layers,
                          num_attention_heads=max(1, dim // 64), intermediate_size=4 * dim)
-        BertModel(cfg).save_pretrained(enc_dir)
-        tok.save_pretrained(enc_dir)
-    return corpus, enc_dir
+        BertModel(cfg).save_pretrained(out)
+        tok.save_pretrained(out)
+    return out
 
 
 def devices_of(a) -> list[str]:
