@@ -101,7 +101,9 @@ def synthetic_retriever(a):
 
 
 def serve_synthetic(a):
-    from search_r1.retrieval.server import ServerConfig, serve
+    from search_r1.retrieval.server import ServerConfig, parallel_tokenizers, serve
+
+    parallel_tokenizers()  # as `search-r1 serve`
 
     if a.worker_process:
         from functools import partial
@@ -204,7 +206,6 @@ def main(argv=None):
         rows = []
         for c in map(int, a.clients.split(",")):
             row = {"n": a.n, "worker_process": a.worker_process, "encoder_cuda_graphs": encoder_cuda_graphs(a),
-                   "tokenizers_parallelism": os.environ.get("TOKENIZERS_PARALLELISM", "unset"),
                    **load(url + "/retrieve", c, a.queries_per_request, a.duration, a.client_procs)}
             print(json.dumps(row), flush=True)
             rows.append(row)

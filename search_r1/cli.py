@@ -62,8 +62,9 @@ def _serve(args):
     import os
 
     from search_r1.retrieval.factory import RetrieverArgs, build_retriever
-    from search_r1.retrieval.server import ServerConfig, serve
+    from search_r1.retrieval.server import ServerConfig, parallel_tokenizers, serve
 
+    parallel_tokenizers()  # before the retriever (or its worker process) tokenises anything
     r_args = RetrieverArgs(**{f.name: getattr(args, f.name) for f in fields(RetrieverArgs)})
     cfg = ServerConfig(topk=args.topk, max_topk=args.max_topk,
                        max_queries_per_request=args.max_queries_per_request,

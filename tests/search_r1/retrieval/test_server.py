@@ -1,6 +1,7 @@
 """The retrieval server as users run it: a real process (or a real uvicorn in a thread) on
 127.0.0.1, the real MiniLM encoder and the exact index over a small corpus."""
 import json
+import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -14,6 +15,12 @@ from search_r1.retrieval.base import Retriever
 from search_r1.retrieval.factory import RetrieverArgs, build_retriever
 from search_r1.retrieval.server import ServerConfig, create_app
 from conftest import free_port
+
+
+@pytest.fixture(autouse=True)
+def keep_tokenizers_parallelism(monkeypatch):
+    """`search-r1 serve` run in this process sets TOKENIZERS_PARALLELISM=true: undone after each test."""
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", os.environ.get("TOKENIZERS_PARALLELISM", "false"))
 
 
 def post(server, body, **kw):
@@ -104,6 +111,14 @@ def test_encoder_cuda_graphs_asked_for_on_cpu_stop_the_start(dense_index, corpus
             "--corpus_path", str(corpus_jsonl), "--devices", "cpu", "--encoder_cuda_graphs"]
     assert cli_main(args) == 2
     assert "cuda_graphs needs a CUDA device; the encoder is on cpu" in capsys.readouterr().err
+
+
+def test_server_tokenises_in_parallel_whatever_the_environment_says(monkeypatch, caplog):
+    from search_r1.retrieval.server import parallel_tokenizers
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")
+    with caplog.at_level("INFO", logger="search_r1.retrieval.server"):
+        parallel_tokenizers()
+    assert os.environ["TOKENIZERS_PARALLELISM"] == "true" and "TOKENIZERS_PARALLELISM=false ignored" in caplog.text
 
 
 class ThreadServer:
