@@ -135,7 +135,8 @@ class Encoder:
         """With CUDA graphs: capture every batch bucket up to batch_size for these padded lengths
         (queries of up to ≈ 60 tokens), so that no request waits for a capture."""
         if self.graphs is not None:
-            self.graphs.capture_all(self.batch_size, lengths, self.tokenizer.model_input_names)
+            names = list(self.tokenize(["warm-up"]))  # the inputs a batch will bring
+            self.graphs.capture_all(self.batch_size, lengths, names)
 
     def _forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return self._pool(self.model(**batch), batch["attention_mask"])
