@@ -9,6 +9,7 @@ reassembles the wheels, checks every wheel, and runs `pip install --no-index --n
 
     python scripts/offline_bundle.py build --preset gpu-node --out .gpu_bundle --part-mb 55
     python scripts/offline_bundle.py build --preset gpu-node --list        # what would be fetched
+    python scripts/offline_bundle.py build --preset retrieval-node --out .retrieval_bundle   # the server only
     python3 .gpu_bundle/offline_bundle.py install --from .gpu_bundle --target /tmp/gpu_site
     python scripts/offline_bundle.py install --from .gpu_bundle --verify-only   # parts + wheels only
 
@@ -216,7 +217,18 @@ GPU_NODE = Preset(
     ),
 )
 
-PRESETS = {"gpu-node": GPU_NODE}
+# The retrieval server alone (`search-r1 serve`: dense, BM25, FAISS) on a node like the one above:
+# no vLLM, no Ray, no Hydra — 23 MB of wheels (19 of them FAISS) against the GPU node's ≈ 230 MB.
+SERVER_PACKAGES = ("fastapi", "starlette", "pydantic", "pydantic-core", "annotated-types", "typing-inspection",
+                   "sniffio", "uvicorn", "httptools", "bm25s", "pystemmer", "faiss-cpu")
+RETRIEVAL_NODE = Preset(
+    python=GPU_NODE.python,
+    platforms=GPU_NODE.platforms,
+    packages=tuple(p for p in GPU_NODE.packages if p.name in SERVER_PACKAGES),
+    node_has=GPU_NODE.node_has,
+)
+
+PRESETS = {"gpu-node": GPU_NODE, "retrieval-node": RETRIEVAL_NODE}
 
 
 # --------------------------------------------------------------------------------------------------

@@ -238,6 +238,15 @@ def test_gpu_node_preset_is_consistent():
     assert ray_trim.drops("ray/dashboard/client/build/static/js/main.js.map")
 
 
+def test_retrieval_node_preset_is_the_servers_part_of_the_gpu_node():
+    gpu = {ob.normalize(p.name): p.version for p in ob.GPU_NODE.packages}
+    server = {ob.normalize(p.name): p.version for p in ob.RETRIEVAL_NODE.packages}
+    assert server.items() <= gpu.items()  # the same pins: one node can take both bundles
+    assert {"fastapi", "uvicorn", "pydantic-core", "bm25s", "faiss-cpu"} <= set(server)
+    assert not set(server) & {"vllm", "ray", "hydra-core", "xgrammar"}
+    assert ob.main(["build", "--preset", "retrieval-node", "--list"]) == 0
+
+
 def test_download_command_targets_the_node():
     cmd = ob.pip_download_cmd("vllm==0.26.0", "3.12", list(ob.DEFAULT_PLATFORMS), Path("d"))
     assert cmd[1:4] == ["-m", "pip", "download"]
