@@ -113,7 +113,7 @@ def serve_synthetic(a):
     else:
         retriever = synthetic_retriever(a)
     serve(retriever, ServerConfig(max_batch=a.max_batch, max_wait_ms=a.max_wait_ms,
-                                  max_pending=1 << 20), port=a.port, name="synthetic-e5")
+                                  max_pending=1 << 20, pipeline=a.pipeline), port=a.port, name="synthetic-e5")
 
 
 def client_process(url, n_clients, q_per_req, duration, seed, results):
@@ -178,6 +178,8 @@ def main(argv=None):
     p.add_argument("--serve", action="store_true", help="only run the server, until stopped (no clients)")
     p.add_argument("--encoder-cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
                    help="the query encoder from CUDA graphs (default, as `search-r1 serve`: on a GPU)")
+    p.add_argument("--pipeline", action=argparse.BooleanOptionalAction, default=False,
+                   help="encode a batch while the last is searched (`search-r1 serve --pipeline`)")
     p.add_argument("--worker-process", action="store_true",
                    help="the retriever in a process of its own (`search-r1 serve --worker_process`)")
     a = p.parse_args(argv)
@@ -206,6 +208,7 @@ def main(argv=None):
         rows = []
         for c in map(int, a.clients.split(",")):
             row = {"n": a.n, "worker_process": a.worker_process, "encoder_cuda_graphs": encoder_cuda_graphs(a),
+                   "pipeline": a.pipeline and not a.worker_process,
                    **load(url + "/retrieve", c, a.queries_per_request, a.duration, a.client_procs)}
             print(json.dumps(row), flush=True)
             rows.append(row)

@@ -52,6 +52,9 @@ def _serve_parser(sub):
     _add(p, "max_pending", type=int, default=c.max_pending)
     _add(p, "max_topk", type=int, default=c.max_topk)
     _add(p, "max_queries_per_request", type=int, default=c.max_queries_per_request)
+    _add(p, "pipeline", action=argparse.BooleanOptionalAction, default=c.pipeline,
+         help="dense retrievers: encode one batch in a thread while another searches the batch "
+              "before it (default: one thread does both, batch after batch)")
     _add(p, "worker_process", action="store_true",
          help="run the retriever (encoder, index, corpus) in a child process, away from the HTTP "
               "event loop's interpreter lock")
@@ -69,7 +72,7 @@ def _serve(args):
     cfg = ServerConfig(topk=args.topk, max_topk=args.max_topk,
                        max_queries_per_request=args.max_queries_per_request,
                        max_batch=args.max_batch, max_wait_ms=args.max_wait_ms,
-                       max_pending=args.max_pending,
+                       max_pending=args.max_pending, pipeline=args.pipeline,
                        api_key=args.api_key or os.environ.get("SEARCH_R1_API_KEY"))
     if args.worker_process:
         from functools import partial

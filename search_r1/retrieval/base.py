@@ -26,10 +26,23 @@ class Retriever(ABC):
     """
 
     max_topk: int = 1000
+    # A retriever whose work splits into encoding the queries and looking the encodings up sets this
+    # and implements `encode` and `lookup` (`search` = lookup(encode(queries))): the server then
+    # encodes one batch in one thread while another looks up the batch before it. Each half is
+    # still called from one thread only.
+    two_stage: bool = False
 
     @abstractmethod
     def search(self, queries: list[str], topk: int) -> list[list[Hit]]:
         ...
+
+    def encode(self, queries: list[str]):
+        """First half of `search` (two-stage retrievers): one encoding per query, sliceable by rows."""
+        raise NotImplementedError
+
+    def lookup(self, encoded, topk: int) -> list[list[Hit]]:
+        """Second half of `search` (two-stage retrievers): the hits of encodings made by `encode`."""
+        raise NotImplementedError
 
     def stats(self) -> dict:
         """Cumulative counters shown by `/health` (e.g. seconds per phase). Default: none."""

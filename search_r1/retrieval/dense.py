@@ -236,6 +236,8 @@ def _search_fp8(x_ND, x8_ND, x_scale, q_BD, k: int, shortlist: int):
 class DenseRetriever(Retriever):
     """Encoder + vector index + corpus; the index's row i is the corpus's row i."""
 
+    two_stage = True  # encode (the encoder) | lookup (index + corpus)
+
     def __init__(self, encoder, index, corpus: Corpus, index_path: str = "?"):
         if index.n != len(corpus):
             raise ValueError(
@@ -253,13 +255,22 @@ class DenseRetriever(Retriever):
         return {"calls": self.calls, "seconds": {k: round(v, 3) for k, v in self.seconds.items()}}
 
     def warmup(self) -> None:
-        self.encoder.warmup()
+        # Every (batch, length) graph now: a capture while serving would stall, and in the
+        # pipelined server it would run beside the other thread's searches.
+        self.encoder.warmup(longest=self.encoder.max_length)
         for b in (1, 8, 64, 512):
             self.search(["warm-up query"] * b, 3)
 
     def search(self, queries: list[str], topk: int) -> list[list[Hit]]:
+        return self.lookup(self.encode(queries), topk)
+
+    def encode(self, queries: list[str]) -> np.ndarray:
         t0 = time.perf_counter()
         q_BD = self.encoder.encode_queries(queries)
+        self.seconds["encode"] += time.perf_counter() - t0
+        return q_BD
+
+    def lookup(self, q_BD: np.ndarray, topk: int) -> list[list[Hit]]:
         t1 = time.perf_counter()
         scores_BK, ids_BK = self.index.search(q_BD, topk)
         t2 = time.perf_counter()
@@ -267,9 +278,8 @@ class DenseRetriever(Retriever):
         passages = iter(self.corpus.get_many(ids_BK[valid_BK].tolist()))
         hits = [[Hit(next(passages), float(scores_BK[b, j]))
                  for j in range(ids_BK.shape[1]) if valid_BK[b, j]]
-                for b in range(len(queries))]
-        t3 = time.perf_counter()
+                for b in range(len(q_BD))]
         self.calls += 1
-        for phase, dt in (("encode", t1 - t0), ("search", t2 - t1), ("fetch", t3 - t2)):
-            self.seconds[phase] += dt
+        self.seconds["search"] += t2 - t1
+        self.seconds["fetch"] += time.perf_counter() - t2
         return hits

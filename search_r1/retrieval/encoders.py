@@ -76,6 +76,11 @@ class Encoder:
         self._rust = self._rust_tokenizer()
         self.model = AutoModel.from_pretrained(model, dtype=self.dtype).to(self.device).eval()
         self.dim = self.model.config.hidden_size
+        # Its own CUDA stream: the server's pipelined worker searches one batch on the default
+        # stream while this encodes the next, and a stream's host sync waits for its own work only.
+        self.stream = torch.cuda.Stream(self.device) if self.device.startswith("cuda") else None
+        if self.stream is not None:
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))  # the weights are there
         self.graphs = CudaGraphForward(self._forward, torch.device(self.device), max_length) if cuda_graphs else None
         log.info("encoder %s on %s (%s, pooling=%s%s)", model, self.device, dtype, self.spec.pooling,
                  ", CUDA graphs" if cuda_graphs else "")
@@ -91,11 +96,12 @@ class Encoder:
         out = np.empty((len(texts), self.dim), dtype=np.float32)
         # Sorting by length keeps padding per batch small; results go back in input order.
         order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
-        for lo in range(0, len(texts), self.batch_size):
-            idx = order[lo:lo + self.batch_size]
-            batch = {name: x.to(self.device) for name, x in self.tokenize([texts[i] for i in idx]).items()}
-            forward = self.graphs or self._forward
-            out[idx] = forward(batch).float().cpu().numpy()
+        with torch.cuda.stream(self.stream):  # no-op on the CPU (stream None)
+            for lo in range(0, len(texts), self.batch_size):
+                idx = order[lo:lo + self.batch_size]
+                batch = {name: x.to(self.device) for name, x in self.tokenize([texts[i] for i in idx]).items()}
+                forward = self.graphs or self._forward
+                out[idx] = forward(batch).float().cpu().numpy()
         return out
 
     def tokenize(self, texts: list[str]) -> dict[str, torch.Tensor]:
@@ -133,12 +139,17 @@ class Encoder:
         return rust
 
     @torch.inference_mode()
-    def warmup(self, lengths: tuple[int, ...] = (16, 32, 64)) -> None:
-        """With CUDA graphs: capture every batch bucket up to batch_size for these padded lengths
-        (queries of up to ≈ 60 tokens), so that no request waits for a capture."""
+    def warmup(self, longest: int = 64) -> None:
+        """With CUDA graphs: capture every batch bucket up to batch_size for the padded lengths 16,
+        32, … up to `longest` (64: queries of up to ≈ 60 tokens), so that no request waits for a
+        capture; `longest=max_length` leaves nothing to capture later."""
         if self.graphs is not None:
             names = list(self.tokenize(["warm-up"]))  # the inputs a batch will bring
-            self.graphs.capture_all(self.batch_size, lengths, names)
+            lengths = [16]
+            while lengths[-1] < longest:  # the length buckets of `_key`: powers of two, capped
+                lengths.append(min(2 * lengths[-1], longest))
+            with torch.cuda.stream(self.stream):
+                self.graphs.capture_all(self.batch_size, lengths, names)
 
     def _forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return self._pool(self.model(**batch), batch["attention_mask"])
@@ -194,7 +205,7 @@ class CudaGraphForward:
         graph.replay()
         return out_BD[:B]
 
-    def capture_all(self, max_batch: int, lengths: tuple[int, ...], names: list[str]) -> None:
+    def capture_all(self, max_batch: int, lengths: list[int], names: list[str]) -> None:
         """Capture the buckets of every batch size up to max_batch at these lengths."""
         batch = 8
         while batch < 2 * min(max_batch, self.max_batch) and not self.failed:
@@ -225,6 +236,7 @@ class CudaGraphForward:
                 self.forward(inputs)
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        # thread_local: other threads may use the GPU meanwhile (the server's lookup thread).
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             out_BD = self.forward(inputs)
         return graph, inputs, out_BD

@@ -4,8 +4,11 @@ Requests are validated on the event loop and queued; one worker thread owns the 
 its GPU), so FAISS/PyTorch are never entered concurrently. The worker takes whatever queued
 requests fit into `max_batch` queries, waiting at most `max_wait_ms` for more, and answers them
 all from one encode+search call. If that call fails, each request of the batch is retried alone,
-so one bad request never fails the others. The queue is bounded (`max_pending` queries): past it
-the server answers 503 with Retry-After instead of growing memory. With `--worker_process` the
+so one bad request never fails the others. Pipelined (`pipeline`, off by default; for retrievers
+with two stages: the dense ones), one thread encodes a batch while a second looks up the batch
+encoded before it; each half of the retriever is still used by one thread only. The queue is
+bounded (`max_pending` queries): past it the server answers 503 with Retry-After instead of
+growing memory. With `--worker_process` the
 retriever itself lives in a child process (`worker_process.ProcessRetriever`) and the worker thread
 only passes batches to it.
 
@@ -24,7 +27,9 @@ import threading
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from functools import partial
 
+import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
@@ -49,6 +54,10 @@ class ServerConfig:
     max_pending: int = 16384        # queries queued before the server sheds load
     api_key: str | None = None
     switch_interval_s: float = 0.0005  # GIL hand-over; see serve()
+    # Two-stage retrievers: encode a batch while the last is searched. Off: on an H100 over 21M
+    # passages it made 1.03-1.13x the queries/s in one run pair, within the noise, and the
+    # worker was no longer the bottleneck (benchmarks/RESULTS.md, "Whole server").
+    pipeline: bool = False
 
 
 class RetrieveRequest(BaseModel):
@@ -87,21 +96,33 @@ class Metrics:
 
 
 class Batcher:
-    """The single worker thread that owns the retriever."""
+    """The worker thread that owns the retriever, or the two that own its two stages."""
 
     def __init__(self, retriever: Retriever, cfg: ServerConfig, metrics: Metrics):
         self.retriever, self.cfg, self.metrics = retriever, cfg, metrics
         self.jobs: queue.Queue[Job | None] = queue.Queue()
         self.pending = 0  # queries queued or in flight; changed under the lock
         self.lock = threading.Lock()
-        self.thread = threading.Thread(target=self._run, name="retrieval-worker", daemon=True)
+        self.pipelined = cfg.pipeline and retriever.two_stage
+        if self.pipelined:
+            # One encoded batch waits at most: the encoder runs at most one batch ahead.
+            self.encoded: queue.Queue[list[tuple[Job, object]] | None] = queue.Queue(maxsize=1)
+            self.threads = [threading.Thread(target=self._run_encode, name="retrieval-encoder", daemon=True),
+                            threading.Thread(target=self._run_lookup, name="retrieval-worker", daemon=True)]
+        else:
+            self.threads = [threading.Thread(target=self._run, name="retrieval-worker", daemon=True)]
 
     def start(self):
-        self.thread.start()
+        for t in self.threads:
+            t.start()
 
     def stop(self):
-        self.jobs.put(None)
-        self.thread.join(timeout=10)
+        self.jobs.put(None)  # the encoder passes it on to the lookup thread
+        for t in self.threads:
+            t.join(timeout=10)
+
+    def alive(self) -> bool:
+        return all(t.is_alive() for t in self.threads)
 
     def submit(self, job: Job) -> bool:
         with self.lock:
@@ -133,40 +154,74 @@ class Batcher:
     def _run(self):
         while (batch := self._next_batch()) is not None:
             try:
-                self._answer(batch)
+                topk = max(j.topk for j in batch)
+                search = partial(self._timed, self.retriever.search, topk=topk)
+                self._answer(batch, self._per_job([j.queries for j in batch], _concat, search))
             except Exception:  # a bug here must not kill the only worker
                 log.exception("retrieval worker failed on a batch")
             finally:
-                with self.lock:
-                    self.pending -= sum(len(j.queries) for j in batch)
-                    self.metrics.pending.set(self.pending)
+                self._release(batch)
 
-    def _answer(self, batch: list[Job]):
+    def _run_encode(self):
+        while (batch := self._next_batch()) is not None:
+            try:
+                encoded = self._per_job([j.queries for j in batch], _concat, self.retriever.encode)
+                failed = [(j, e) for j, e in zip(batch, encoded) if isinstance(e, Exception)]
+                self._answer([j for j, _ in failed], [e for _, e in failed])
+                self._release([j for j, _ in failed])
+                if len(failed) < len(batch):
+                    self.encoded.put([(j, e) for j, e in zip(batch, encoded) if not isinstance(e, Exception)])
+            except Exception:  # a bug here must not kill the worker
+                log.exception("retrieval encoder failed on a batch")
+                self._release(batch)
+        self.encoded.put(None)
+
+    def _run_lookup(self):
+        while (items := self.encoded.get()) is not None:
+            batch = [j for j, _ in items]
+            try:
+                topk = max(j.topk for j in batch)
+                lookup = partial(self._timed, self.retriever.lookup, topk=topk)
+                self._answer(batch, self._per_job([e for _, e in items], np.concatenate, lookup))
+            except Exception:  # a bug here must not kill the worker
+                log.exception("retrieval worker failed on a batch")
+            finally:
+                self._release(batch)
+
+    def _per_job(self, parts: list, join, fn) -> list:
+        """fn over the jobs' parts joined, cut back into one result per job. If that call fails, fn
+        runs over each part alone and a job whose own call fails gets the exception as its result:
+        one bad request never fails the others."""
         try:
-            results = self._search([q for j in batch for q in j.queries], max(j.topk for j in batch))
-        except Exception:
-            if len(batch) == 1:
-                log.exception("search failed for a request of %d queries", len(batch[0].queries))
-                self._resolve(batch[0], exc=RuntimeError("search failed; see the server log"))
-                return
-            # Find the request that broke the batch; the others still get answers.
-            for job in batch:
-                self._answer([job])
-            return
-        i = 0
-        for job in batch:
-            hits = [h[:job.topk] for h in results[i:i + len(job.queries)]]
-            i += len(job.queries)
-            self._resolve(job, hits)
+            out, n = fn(join(parts)), sum(len(p) for p in parts)
+            if len(out) != n:
+                raise RuntimeError(f"retriever returned {len(out)} results for {n} queries")
+        except Exception as e:
+            if len(parts) == 1:
+                log.exception("retrieval failed for a request of %d queries", len(parts[0]))
+                return [e]
+            return [self._per_job([p], join, fn)[0] for p in parts]
+        ends = np.cumsum([len(p) for p in parts])
+        return [out[end - len(p):end] for p, end in zip(parts, ends)]
 
-    def _search(self, queries, topk):
+    def _timed(self, fn, batch, topk):
         t = time.perf_counter()
-        results = self.retriever.search(queries, topk)
+        results = fn(batch, topk)
         self.metrics.search_time.observe(time.perf_counter() - t)
-        self.metrics.batch_size.observe(len(queries))
-        if len(results) != len(queries):
-            raise RuntimeError(f"retriever returned {len(results)} lists for {len(queries)} queries")
+        self.metrics.batch_size.observe(len(batch))
         return results
+
+    def _answer(self, batch: list[Job], results: list):
+        for job, hits in zip(batch, results):
+            if isinstance(hits, Exception):
+                self._resolve(job, exc=RuntimeError("search failed; see the server log"))
+            else:
+                self._resolve(job, [h[:job.topk] for h in hits])
+
+    def _release(self, batch: list[Job]):
+        with self.lock:
+            self.pending -= sum(len(j.queries) for j in batch)
+            self.metrics.pending.set(self.pending)
 
     @staticmethod
     def _resolve(job: Job, hits=None, exc: Exception | None = None):
@@ -178,6 +233,10 @@ class Batcher:
             else:
                 job.future.set_result(hits)
         job.loop.call_soon_threadsafe(done)
+
+
+def _concat(parts: list[list]) -> list:
+    return [x for part in parts for x in part]
 
 
 def _validate(req: RetrieveRequest, cfg: ServerConfig) -> int:
@@ -255,7 +314,7 @@ def create_app(retriever: Retriever, cfg: ServerConfig | None = None, name: str 
     @app.get("/health")
     async def health():
         return {"status": "ok", "retriever": name, "pending_queries": batcher.pending,
-                "worker_alive": batcher.thread.is_alive(), "stats": retriever.stats()}
+                "worker_alive": batcher.alive(), "pipelined": batcher.pipelined, "stats": retriever.stats()}
 
     @app.get("/metrics")
     async def prometheus():

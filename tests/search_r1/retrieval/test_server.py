@@ -7,6 +7,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import numpy as np
 import pytest
 import uvicorn
 
@@ -177,6 +178,96 @@ def test_cross_request_batching_and_one_bad_request(real_retriever):
         server.stop()
 
 
+class TwoStage(Retriever):
+    """The real dense retriever's two halves, timed, slowed down, and failing on marked queries:
+    POISON in `encode`, BADLOOKUP in `lookup` (its encoding is marked with NaN)."""
+
+    two_stage = True
+
+    def __init__(self, inner, delay=0.0):
+        self.inner, self.delay = inner, delay
+        self.intervals = {"encode": [], "lookup": []}  # (start, end, queries) of every call
+
+    def search(self, queries, topk):
+        return self.lookup(self.encode(queries), topk)
+
+    def encode(self, queries):
+        t = time.perf_counter()
+        try:
+            time.sleep(self.delay)
+            if "POISON" in queries:
+                raise ValueError("cannot encode this")
+            q_BD = self.inner.encode(queries)
+            q_BD[[q == "BADLOOKUP" for q in queries]] = float("nan")
+            return q_BD
+        finally:
+            self.intervals["encode"].append((t, time.perf_counter(), len(queries)))
+
+    def lookup(self, q_BD, topk):
+        t = time.perf_counter()
+        try:
+            time.sleep(self.delay)
+            if np.isnan(q_BD).any():
+                raise ValueError("cannot look this up")
+            return self.inner.lookup(q_BD, topk)
+        finally:
+            self.intervals["lookup"].append((t, time.perf_counter(), len(q_BD)))
+
+
+def test_pipelined_worker_batches_and_a_bad_request_in_either_stage(real_retriever):
+    two = TwoStage(real_retriever, delay=0.05)
+    server = ThreadServer(create_app(two, ServerConfig(max_wait_ms=50, pipeline=True)))
+    try:
+        assert httpx.get(server.url + "/health").json()["pipelined"] is True
+        bodies = [{"queries": ["capital of Japan"]}, {"queries": ["POISON"]}, {"queries": ["BADLOOKUP"]},
+                  {"queries": ["red planet", "largest river"]}] * 3
+        with ThreadPoolExecutor(len(bodies)) as pool:
+            answers = list(pool.map(lambda b: post(server, b), bodies))
+        for body, r in zip(bodies, answers):
+            if body["queries"][0] in ("POISON", "BADLOOKUP"):
+                assert r.status_code == 500 and "search failed" in r.json()["error"]
+            else:
+                assert r.status_code == 200 and len(r.json()["result"]) == len(body["queries"])
+        assert answers[0].json()["result"][0][0]["contents"].startswith('"Tokyo"')
+        assert max(n for _, _, n in two.intervals["lookup"]) > 2  # several requests in one lookup
+        health = httpx.get(server.url + "/health").json()
+        assert health["worker_alive"] and health["pending_queries"] == 0
+    finally:
+        server.stop()
+
+
+def test_pipelined_worker_encodes_while_it_looks_up(real_retriever):
+    """One query per batch, each stage 0.2 s: the encoder must be at work on a later batch while
+    an earlier one is looked up (one thread doing both would never overlap them)."""
+    two = TwoStage(real_retriever, delay=0.2)
+    server = ThreadServer(create_app(two, ServerConfig(max_batch=1, max_wait_ms=0, pipeline=True)))
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            codes = [r.status_code for r in pool.map(lambda q: post(server, {"queries": [q]}),
+                                                      ["capital of Japan", "red planet", "largest river", "chess"])]
+        assert codes == [200] * 4
+        overlaps = [(e, l) for e in two.intervals["encode"] for l in two.intervals["lookup"]
+                    if e[0] < l[1] and l[0] < e[1]]
+        assert overlaps, two.intervals
+    finally:
+        server.stop()
+
+
+def test_no_pipeline_keeps_one_worker_thread(real_retriever):
+    two = TwoStage(real_retriever, delay=0.1)
+    server = ThreadServer(create_app(two, ServerConfig(max_batch=1, max_wait_ms=0, pipeline=False)))
+    try:
+        assert httpx.get(server.url + "/health").json()["pipelined"] is False
+        with ThreadPoolExecutor(3) as pool:
+            codes = [r.status_code for r in pool.map(lambda q: post(server, {"queries": [q]}),
+                                                      ["capital of Japan", "red planet", "chess"])]
+        assert codes == [200] * 3
+        calls = sorted(two.intervals["encode"] + two.intervals["lookup"])
+        assert all(a[1] <= b[0] for a, b in zip(calls, calls[1:]))  # one call at a time
+    finally:
+        server.stop()
+
+
 def test_back_pressure_sheds_load_with_retry_after(real_retriever):
     server = ThreadServer(create_app(Wrapped(real_retriever, delay=0.3),
                                      ServerConfig(max_pending=4, max_batch=2, max_wait_ms=0)))
@@ -266,6 +357,28 @@ def test_worker_process_answers_like_the_worker_thread(dense_server, dense_index
         assert post(server, body).json()["result"] == ours
         replaced = worker_pids(server.proc.pid)
         assert len(replaced) == 1 and replaced != children
+    finally:
+        server.stop()
+
+
+def test_serve_pipeline_answers_like_one_worker_thread(dense_server, dense_index, corpus_jsonl, tmp_path):
+    """`search-r1 serve --pipeline`: under concurrent load, the answers of the server without it."""
+    from conftest import ServerProcess
+    server = ServerProcess(["--retriever_name", "minilm", "--retriever_model", "all-MiniLM-L6-v2",
+                            "--index_path", str(dense_index), "--corpus_path", str(corpus_jsonl),
+                            "--pipeline"], tmp_path / "pipeline.log")
+    try:
+        health = httpx.get(server.url + "/health").json()
+        assert health["pipelined"] is True and health["worker_alive"]
+        queries = ["capital of Japan", "red planet", "largest river", "board game with 64 squares",
+                   "theory of relativity", "French capital city"] * 3
+        with ThreadPoolExecutor(len(queries)) as pool:
+            ours = list(pool.map(lambda q: post(server, {"queries": [q], "return_scores": True}).json(), queries))
+        for q, answer in zip(queries, ours):
+            theirs = post(dense_server, {"queries": [q], "return_scores": True}).json()
+            assert [h["document"]["id"] for h in answer["result"][0]] == \
+                   [h["document"]["id"] for h in theirs["result"][0]]
+            assert answer["result"][0][0]["score"] == pytest.approx(theirs["result"][0][0]["score"], abs=1e-5)
     finally:
         server.stop()
 
