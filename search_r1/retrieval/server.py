@@ -55,8 +55,8 @@ class ServerConfig:
     api_key: str | None = None
     switch_interval_s: float = 0.0005  # GIL hand-over; see serve()
     # Two-stage retrievers: encode a batch while the last is searched. Off: on an H100 over 21M
-    # passages it made 1.03-1.13x the queries/s in one run pair, within the noise, and the
-    # worker was no longer the bottleneck (benchmarks/RESULTS.md, "Whole server").
+    # passages, 64 clients, it made 1.03-1.13x the queries/s in one run pair, within the noise
+    # (benchmarks/RESULTS.md, "Whole server").
     pipeline: bool = False
 
 
