@@ -9,6 +9,10 @@ in several processes so the load generator is not the bottleneck.
     python benchmarks/bench_server.py --n 21015324 --clients 1,16,64 --queries-per-request 8
     python benchmarks/bench_server.py --quick      # CPU smoke run (CI)
 
+`--instant` swaps the encoder and index for a retriever that answers at once from the corpus:
+what the HTTP side and the batching sustain alone. Every row carries the server process's CPU
+time per request (all its threads; Linux).
+
 `--serve` only runs the server (on `--port`, until stopped), e.g. as the retriever of a GRPO
 benchmark in the paper's setting; `--devices cuda:0,…,cuda:7` shards the vectors over those GPUs
 (21M × 768 fp16 is 32 GB: ≈ 4 GB each on 8), the encoder runs on the first.
@@ -27,6 +31,8 @@ import time
 
 import httpx
 import numpy as np
+
+from search_r1.retrieval.base import Hit, Retriever
 
 WORDS = ("capital city country river mountain king queen war born died president album film "
          "novel author team league planet element language currency ocean island museum").split()
@@ -100,12 +106,27 @@ def synthetic_retriever(a):
     return DenseRetriever(encoder, index, Corpus(corpus), "synthetic")
 
 
+class InstantRetriever(Retriever):
+    """Hits at once, from the synthetic corpus (no encoder, no index): the server's own cost."""
+
+    def __init__(self, corpus_path: str):
+        from search_r1.retrieval.corpus import Corpus
+        self.corpus = Corpus(corpus_path)
+
+    def search(self, queries, topk):
+        ids = [(sum(map(ord, q)) * 31 + j) % len(self.corpus) for q in queries for j in range(topk)]
+        passages = iter(self.corpus.get_many(ids))
+        return [[Hit(next(passages), 1.0 - j / topk) for j in range(topk)] for _ in queries]
+
+
 def serve_synthetic(a):
     from search_r1.retrieval.server import ServerConfig, parallel_tokenizers, serve
 
     parallel_tokenizers()  # as `search-r1 serve`
 
-    if a.worker_process:
+    if a.instant:
+        retriever = InstantRetriever(build_synthetic(a.n, a.dim, a.workdir, a.tokenizer, a.encoder_layers)[0])
+    elif a.worker_process:
         from functools import partial
 
         from search_r1.retrieval.worker_process import ProcessRetriever
@@ -134,6 +155,16 @@ def client_process(url, n_clients, q_per_req, duration, seed, results):
         return lat
 
     results.put(asyncio.run(run()))
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU time of a process, all its threads (Linux /proc); None elsewhere."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def load(url, clients, q_per_req, duration, procs):
@@ -180,6 +211,8 @@ def main(argv=None):
                    help="the query encoder from CUDA graphs (default, as `search-r1 serve`: on a GPU)")
     p.add_argument("--pipeline", action=argparse.BooleanOptionalAction, default=False,
                    help="encode a batch while the last is searched (`search-r1 serve --pipeline`)")
+    p.add_argument("--instant", action="store_true",
+                   help="a retriever that answers at once from the corpus: the HTTP side and batching alone")
     p.add_argument("--worker-process", action="store_true",
                    help="the retriever in a process of its own (`search-r1 serve --worker_process`)")
     a = p.parse_args(argv)
@@ -207,9 +240,12 @@ def main(argv=None):
         print(f"server ready in {time.perf_counter() - t:.1f} s", flush=True)
         rows = []
         for c in map(int, a.clients.split(",")):
+            cpu0 = cpu_seconds(server.pid)
             row = {"n": a.n, "worker_process": a.worker_process, "encoder_cuda_graphs": encoder_cuda_graphs(a),
-                   "pipeline": a.pipeline and not a.worker_process,
+                   "pipeline": a.pipeline and not a.worker_process, "instant": a.instant,
                    **load(url + "/retrieve", c, a.queries_per_request, a.duration, a.client_procs)}
+            if cpu0 is not None:
+                row["server_cpu_ms_per_request"] = round((cpu_seconds(server.pid) - cpu0) / row["requests"] * 1e3, 3)
             print(json.dumps(row), flush=True)
             rows.append(row)
         print("worker phases:", httpx.get(url + "/health").json().get("stats"))

@@ -122,3 +122,18 @@ def test_rollout_with_two_engines_sharing_the_device(tmp_path):
     bad = subprocess.run(args[:-4] + ["--engine-core", "in-process"], capture_output=True, text=True, timeout=120,
                          cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert bad.returncode != 0 and "needs --engine vllm --engine-core separate" in bad.stderr
+
+
+def test_server_instant_measures_the_http_side(tmp_path):
+    """bench_server.py --instant: no encoder or index behind the server; the rows give its CPU time
+    per request (Linux), which is what the HTTP side and the batching cost alone."""
+    out = tmp_path / "out.jsonl"
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_server.py"), "--quick", "--instant",
+                        "--out", str(out), "--workdir", str(tmp_path / "work"), "--port", str(free_port())],
+                       capture_output=True, text=True, timeout=300, cwd=ROOT,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert rows and all(row["instant"] and row["qps"] > 0 for row in rows)
+    assert all(0 < row["server_cpu_ms_per_request"] < 100 for row in rows)
+    assert "'encode':" not in r.stdout  # nothing was encoded
