@@ -35,16 +35,21 @@ def test_quick(script, tmp_path):
         assert all(row["mode"] == "eager" and row["min_cosine_to_eager"] > 0.9999 for row in rows)
 
 
-def test_server_with_worker_process(tmp_path):
-    """bench_server.py --worker-process: the synthetic retriever is built and searched in the
-    server's child process; the clients get answers and /health the child's counters."""
+def quick_server(tmp_path, flag: str):
+    """bench_server.py --quick with one more flag: its stdout and rows."""
     out = tmp_path / "out.jsonl"
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_server.py"), "--quick", "--worker-process",
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_server.py"), "--quick", flag,
                         "--out", str(out), "--workdir", str(tmp_path / "work"), "--port", str(free_port())],
                        capture_output=True, text=True, timeout=300, cwd=ROOT,
                        env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert r.returncode == 0, r.stderr[-3000:]
-    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    return r, [json.loads(line) for line in out.read_text().splitlines()]
+
+
+def test_server_with_worker_process(tmp_path):
+    """bench_server.py --worker-process: the synthetic retriever is built and searched in the
+    server's child process; the clients get answers and /health the child's counters."""
+    r, rows = quick_server(tmp_path, "--worker-process")
     assert rows and all(row["qps"] > 0 and row["worker_process"] for row in rows)
     assert "'encode':" in r.stdout  # the worker phases came back from the child
 
@@ -127,13 +132,7 @@ def test_rollout_with_two_engines_sharing_the_device(tmp_path):
 def test_server_instant_measures_the_http_side(tmp_path):
     """bench_server.py --instant: no encoder or index behind the server; the rows give its CPU time
     per request (Linux), which is what the HTTP side and the batching cost alone."""
-    out = tmp_path / "out.jsonl"
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_server.py"), "--quick", "--instant",
-                        "--out", str(out), "--workdir", str(tmp_path / "work"), "--port", str(free_port())],
-                       capture_output=True, text=True, timeout=300, cwd=ROOT,
-                       env={**os.environ, "PYTHONPATH": str(ROOT)})
-    assert r.returncode == 0, r.stderr[-3000:]
-    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    r, rows = quick_server(tmp_path, "--instant")
     assert rows and all(row["instant"] and row["qps"] > 0 for row in rows)
     assert all(0 < row["server_cpu_ms_per_request"] < 100 for row in rows)
     assert "'encode':" not in r.stdout  # nothing was encoded
