@@ -209,8 +209,9 @@ def main(argv=None):
     p.add_argument("--serve", action="store_true", help="only run the server, until stopped (no clients)")
     p.add_argument("--encoder-cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
                    help="the query encoder from CUDA graphs (default, as `search-r1 serve`: on a GPU)")
-    p.add_argument("--pipeline", action=argparse.BooleanOptionalAction, default=False,
-                   help="encode a batch while the last is searched (`search-r1 serve --pipeline`)")
+    p.add_argument("--pipeline", action=argparse.BooleanOptionalAction, default=True,
+                   help="encode a batch while the last is searched (default, as `search-r1 serve`; "
+                        "--no-pipeline: one thread does both)")
     p.add_argument("--instant", action="store_true",
                    help="a retriever that answers at once from the corpus: the HTTP side and batching alone")
     p.add_argument("--worker-process", action="store_true",
@@ -242,7 +243,7 @@ def main(argv=None):
         for c in map(int, a.clients.split(",")):
             cpu0 = cpu_seconds(server.pid)
             row = {"n": a.n, "worker_process": a.worker_process, "encoder_cuda_graphs": encoder_cuda_graphs(a),
-                   "pipeline": a.pipeline and not a.worker_process, "instant": a.instant,
+                   "pipeline": a.pipeline and not (a.worker_process or a.instant), "instant": a.instant,
                    **load(url + "/retrieve", c, a.queries_per_request, a.duration, a.client_procs)}
             if cpu0 is not None:
                 row["server_cpu_ms_per_request"] = round((cpu_seconds(server.pid) - cpu0) / row["requests"] * 1e3, 3)

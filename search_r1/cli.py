@@ -54,7 +54,7 @@ def _serve_parser(sub):
     _add(p, "max_queries_per_request", type=int, default=c.max_queries_per_request)
     _add(p, "pipeline", action=argparse.BooleanOptionalAction, default=c.pipeline,
          help="dense retrievers: encode one batch in a thread while another searches the batch "
-              "before it (default: one thread does both, batch after batch)")
+              "before it (default; --no-pipeline: one thread does both, batch after batch)")
     _add(p, "worker_process", action="store_true",
          help="run the retriever (encoder, index, corpus) in a child process, away from the HTTP "
               "event loop's interpreter lock")

@@ -1,16 +1,15 @@
 """HTTP retrieval server: the Search-R1 `/retrieve` API with cross-request batching.
 
-Requests are validated on the event loop and queued; one worker thread owns the retriever (and
-its GPU), so FAISS/PyTorch are never entered concurrently. The worker takes whatever queued
-requests fit into `max_batch` queries, waiting at most `max_wait_ms` for more, and answers them
-all from one encode+search call. If that call fails, each request of the batch is retried alone,
-so one bad request never fails the others. Pipelined (`pipeline`, off by default; for retrievers
-with two stages: the dense ones), one thread encodes a batch while a second looks up the batch
-encoded before it; each half of the retriever is still used by one thread only. The queue is
-bounded (`max_pending` queries): past it the server answers 503 with Retry-After instead of
-growing memory. With `--worker_process` the
-retriever itself lives in a child process (`worker_process.ProcessRetriever`) and the worker thread
-only passes batches to it.
+Requests are validated on the event loop and queued; a worker thread owns the retriever (and its
+GPU), so no part of it is ever entered from two threads at once. The worker takes whatever queued
+requests fit into `max_batch` queries, waiting at most `max_wait_ms` for more, and answers them all
+from one encode+search call. If that call fails, each request of the batch is retried alone, so one
+bad request never fails the others. For retrievers with two stages (the dense ones) the worker is
+pipelined by default (`pipeline`): one thread encodes a batch while a second looks up the batch
+encoded before it, each stage owned by its thread. The queue is bounded (`max_pending` queries):
+past it the server answers 503 with Retry-After instead of growing memory. With `--worker_process`
+the retriever itself lives in a child process (`worker_process.ProcessRetriever`) and the worker
+thread only passes batches to it.
 
 Differences from the original server: `return_scores: false` works (documents only), bad input
 gets a 4xx that says what is wrong, and `/health` and `/metrics` exist.
@@ -54,10 +53,10 @@ class ServerConfig:
     max_pending: int = 16384        # queries queued before the server sheds load
     api_key: str | None = None
     switch_interval_s: float = 0.0005  # GIL hand-over; see serve()
-    # Two-stage retrievers: encode a batch while the last is searched. Off: on an H100 over 21M
-    # passages, 64 clients, it made 1.03-1.13x the queries/s in one run pair, within the noise
-    # (benchmarks/RESULTS.md, "Whole server").
-    pipeline: bool = False
+    # Two-stage retrievers: encode a batch while the last is searched. On an H100 over 21M passages
+    # it served 1.10-1.19x the queries/s at 256 clients and the same as one thread at 64-128; on
+    # two CPU cores the same as one thread (benchmarks/RESULTS.md, "Whole server").
+    pipeline: bool = True
 
 
 class RetrieveRequest(BaseModel):

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-from bench_rollout import TimedSearcher, core_timeline_stats, turns_of  # noqa: E402
+from bench_rollout import TimedSearcher, core_timeline_stats, median_run, turns_of  # noqa: E402
 
 from search_r1.agent.loop import Trajectory  # noqa: E402
 
@@ -47,3 +47,11 @@ def test_search_call_percentiles_are_ordered(durations):
     ms = searcher.call_ms()
     assert min(durations) * 1000 <= ms["retrieval_call_ms_p50"] <= ms["retrieval_call_ms_p90"] <= max(durations) * 1000
     assert TimedSearcher(inner=None).call_ms() == {}
+
+
+def test_median_run_of_an_even_count_is_the_faster_middle_one():
+    runs = [(12.5, {"run": "a"}), (11.9, {"run": "b"})]
+    assert median_run(runs) == (11.9, {"run": "b"}, [12.5, 11.9])  # every wall, in the order run
+    runs = [(10.0, {"run": "a"}), (13.0, {"run": "b"}), (11.0, {"run": "c"}), (12.0, {"run": "d"})]
+    assert median_run(runs)[0] == 11.0
+    assert median_run(runs[:3])[0] == 11.0

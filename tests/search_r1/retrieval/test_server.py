@@ -361,26 +361,30 @@ def test_worker_process_answers_like_the_worker_thread(dense_server, dense_index
         server.stop()
 
 
-def test_serve_pipeline_answers_like_one_worker_thread(dense_server, dense_index, corpus_jsonl, tmp_path):
-    """`search-r1 serve --pipeline`: under concurrent load, the answers of the server without it."""
+def test_serve_pipelined_by_default_answers_like_one_worker_thread(dense_server, dense_index, corpus_jsonl,
+                                                                     tmp_path):
+    """`search-r1 serve` pipelines a dense retriever by default; under concurrent load it answers as
+    `--no-pipeline` (one worker thread) does."""
     from conftest import ServerProcess
-    server = ServerProcess(["--retriever_name", "minilm", "--retriever_model", "all-MiniLM-L6-v2",
-                            "--index_path", str(dense_index), "--corpus_path", str(corpus_jsonl),
-                            "--pipeline"], tmp_path / "pipeline.log")
+    health = httpx.get(dense_server.url + "/health").json()
+    assert health["pipelined"] is True and health["worker_alive"]
+    one_thread = ServerProcess(["--retriever_name", "minilm", "--retriever_model", "all-MiniLM-L6-v2",
+                                "--index_path", str(dense_index), "--corpus_path", str(corpus_jsonl),
+                                "--no-pipeline"], tmp_path / "no_pipeline.log")
     try:
-        health = httpx.get(server.url + "/health").json()
-        assert health["pipelined"] is True and health["worker_alive"]
+        assert httpx.get(one_thread.url + "/health").json()["pipelined"] is False
         queries = ["capital of Japan", "red planet", "largest river", "board game with 64 squares",
                    "theory of relativity", "French capital city"] * 3
         with ThreadPoolExecutor(len(queries)) as pool:
-            ours = list(pool.map(lambda q: post(server, {"queries": [q], "return_scores": True}).json(), queries))
+            ours = list(pool.map(lambda q: post(dense_server, {"queries": [q], "return_scores": True}).json(),
+                                 queries))
         for q, answer in zip(queries, ours):
-            theirs = post(dense_server, {"queries": [q], "return_scores": True}).json()
+            theirs = post(one_thread, {"queries": [q], "return_scores": True}).json()
             assert [h["document"]["id"] for h in answer["result"][0]] == \
                    [h["document"]["id"] for h in theirs["result"][0]]
             assert answer["result"][0][0]["score"] == pytest.approx(theirs["result"][0][0]["score"], abs=1e-5)
     finally:
-        server.stop()
+        one_thread.stop()
 
 
 def test_worker_process_start_up_errors_reach_the_command_line(dense_index, tmp_path, capsys):
