@@ -27,9 +27,9 @@ class Retriever(ABC):
 
     max_topk: int = 1000
     # A retriever whose work splits into encoding the queries and looking the encodings up sets this
-    # and implements `encode` and `lookup` (`search` = lookup(encode(queries))): the server then
-    # encodes one batch in one thread while another looks up the batch before it. Each half is
-    # still called from one thread only.
+    # and implements `encode` and `lookup` (`search` = lookup(encode(queries))): the server then, by
+    # default, encodes one batch in one thread while another looks up the batch before it. Each half
+    # is still called from one thread only.
     two_stage: bool = False
 
     @abstractmethod
