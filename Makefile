@@ -1,7 +1,7 @@
 PYTHON ?= python3
 PIP ?= $(PYTHON) -m pip
 
-.PHONY: install test test-fast demo
+.PHONY: install test test-fast demo gpu-smoke
 
 # CPU install, as CI runs it:
 # - torch is pinned first so pip takes the CPU build instead of a multi-GB CUDA build;
@@ -25,3 +25,8 @@ test-fast:
 # SFT warm start, GRPO, evaluation, report.
 demo: install
 	$(PYTHON) -m search_r1.demo --out outputs/demo
+
+# On a GPU node with the packages installed (no install step: the node may have no network): every
+# GPU-only path, one PASS/FAIL line per part. Run it before calling a change to a GPU path done.
+gpu-smoke:
+	$(PYTHON) scripts/gpu_smoke.py --out outputs/gpu_smoke

@@ -7,6 +7,7 @@ sync, FSDP2 actor, reference) for a few steps and prints the per-phase timings f
 
     python benchmarks/bench_grpo_step.py --shape 0.5b --steps 2 --prompts 64 --n 5   # one GPU
     python benchmarks/bench_grpo_step.py --quick                                     # CPU (CI)
+    python benchmarks/bench_grpo_step.py --shape 3b --gpus 4 --prompts 256 --n 5 --dense-rows 21015324 …
 
 A random policy never writes `<search>`. `--search-every N` makes it search as a trained one does:
 `<search>` and `</search>` become single tokens of the model's tokenizer, and the trainer's
@@ -30,6 +31,45 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # the package first, then the t
 SHAPES = {"tiny": (64, 2, 2, 1, 128), "0.5b": (896, 24, 14, 2, 4864), "3b": (2048, 36, 16, 2, 11008)}
 
 
+class DenseServer:
+    """bench_server.py's synthetic dense server (`--serve`) in a process of its own, as the original
+    runs its retriever beside the trainer: the vectors sharded over `devices`, the encoder on the first."""
+
+    def __init__(self, rows: int, devices: list[str], tokenizer: str, workdir: Path):
+        import httpx
+        from conftest import free_port
+        workdir.mkdir(parents=True, exist_ok=True)
+        port = free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        self.log = open(workdir / "server.log", "w")
+        self.proc = subprocess.Popen(
+            [sys.executable, str(ROOT / "benchmarks" / "bench_server.py"), "--serve", "--n", str(rows),
+             "--devices", ",".join(devices), "--port", str(port), "--tokenizer", tokenizer, "--workdir", str(workdir)],
+            stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))})
+        t = time.perf_counter()
+        while time.perf_counter() - t < 900:
+            if self.proc.poll() is not None:
+                raise SystemExit(f"the dense server exited; see {workdir / 'server.log'}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    print(f"dense server over {rows:,} vectors on {devices} ready in {time.perf_counter() - t:.0f} s",
+                          flush=True)
+                    return
+            except httpx.TransportError:
+                time.sleep(1)
+        self.stop()
+        raise SystemExit("the dense server did not start within 15 minutes")
+
+    def stop(self):
+        self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self.log.close()
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", choices=sorted(SHAPES), default="0.5b")
@@ -44,6 +84,10 @@ def main(argv=None):
                    "once every this many tokens (default: it never searches)")
     p.add_argument("--retriever-url", help="use this running server (e.g. a dense one over 21M passages, "
                    "`search-r1 serve`) instead of a BM25 server over the bundled corpus")
+    p.add_argument("--dense-rows", type=int, help="instead: start the synthetic dense server of bench_server.py "
+                   "(random e5-shaped encoder, this many 768-dim vectors sharded over the run's GPUs, e.g. 21015324)")
+    p.add_argument("--server-tokenizer", default="all-MiniLM-L6-v2",
+                   help="a BERT-vocabulary tokenizer for --dense-rows' encoder")
     p.add_argument("--workdir", default="outputs/bench_grpo")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--out")
@@ -77,7 +121,10 @@ def main(argv=None):
         if not (work / f"{split}.parquet").exists():
             preprocess.main(["--bundled", "--split", split, "--out", str(work / f"{split}.parquet")])
     server = None
-    if a.retriever_url is None:
+    if a.dense_rows:
+        server = DenseServer(a.dense_rows, [f"cuda:{i}" for i in range(a.gpus)], a.server_tokenizer,
+                             work / "dense_server")
+    elif a.retriever_url is None:
         corpus = bundled_paths()["corpus"]
         index = build_bm25_index(str(corpus), str(work / "bm25"), progress=False)
         server = ServerProcess(["--retriever_name", "bm25", "--index_path", str(index), "--corpus_path", str(corpus)],
@@ -128,7 +175,8 @@ def main(argv=None):
                "search_every": a.search_every, "tag_bias": bias or None, "overrides": a.overrides,
                "step": row["step"], "phases_s": phases,
                **{k: round(row[k], 4) for k in ("reward/mean", "grad_norm", "kl_loss", "response/length",
-                                                 "agent/searches", "agent/turns", "response/observation_tokens",
+                                                 "agent/searches", "agent/turns", "agent/retrieval_s",
+                                                 "response/observation_tokens",
                                                  "throughput/generated_tokens_per_s",
                                                  "throughput/train_tokens_per_s", "throughput/mfu_actor_update")
                   if k in row}}

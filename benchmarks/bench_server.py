@@ -97,8 +97,9 @@ def synthetic_retriever(a):
     corpus, enc_dir = build_synthetic(a.n, a.dim, a.workdir, a.tokenizer, a.encoder_layers)
     devices = devices_of(a)
     dtype = torch.float16 if devices[0].startswith("cuda") else torch.float32
-    # One device: made in place. Several: made in host memory, then each shard copied to its GPU.
-    x = make_vectors(a.n, a.dim, devices[0] if len(devices) == 1 else "cpu", dtype)
+    # One device: made in place. Several: drawn on the first, held in host memory, then each shard
+    # copied to its GPU.
+    x = make_vectors(a.n, a.dim, devices[0], dtype, store=None if len(devices) == 1 else "cpu")
     index = ExactIndex(x, devices)
     del x
     encoder = Encoder(enc_dir, device=devices[0], spec=EncoderSpec.for_model("e5"), batch_size=512,

@@ -127,7 +127,9 @@ class PPOTrainer:
                    "response/observation_tokens": float(np.mean([s["response_tokens"] - s["model_tokens"]
                                                                  for s in stats])),
                    "agent/turns": float(np.mean([s.get("turns", 1) for s in stats])),
-                   "agent/searches": float(np.mean([s.get("searches", 0) for s in stats]))}
+                   "agent/searches": float(np.mean([s.get("searches", 0) for s in stats])),
+                   # seconds a trajectory waited for passages (overlapped with other trajectories' turns)
+                   "agent/retrieval_s": float(np.mean([s.get("retrieval_s", 0.0) for s in stats]))}
         for reason in {s["finish"] for s in stats}:
             metrics[f"agent/finish_{reason}"] = float(np.mean([s["finish"] == reason for s in stats]))
         for source, values in by_source.items():

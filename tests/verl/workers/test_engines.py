@@ -150,6 +150,7 @@ import torch
 from safetensors.torch import load_file
 from verl.workers.rollout.engines import SamplingConfig, VLLMEngine
 model, prompts, device = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
+torch.cuda.is_available()  # as every GPU code path asks first: after it, a forked engine core dies
 engine = VLLMEngine(model, seed=0, max_model_len=512, kv_cache_memory_bytes=64 << 20)
 greedy = SamplingConfig(temperature=0, max_tokens=24)
 before = [g.token_ids for g in engine.generate(prompts, greedy, [])]
@@ -189,6 +190,19 @@ def test_vllm_engine_core_in_a_child_process(tiny_model, vllm_engine, prompts):
     assert vllm_engine.in_process and not got["in_process"]
     assert got["before"] == [g.token_ids for g in vllm_engine.generate(prompts, GREEDY, stop=[])]
     assert got["changed"] != got["before"] and got["after"] == got["before"]
+
+
+def test_engine_core_is_spawned_unless_the_user_chose(monkeypatch, caplog):
+    """A child engine core is spawned: PyTorch forbids CUDA in a child forked after it counted the
+    GPUs, although vLLM then still sees CUDA uninitialised and would fork. A user's choice stays."""
+    from verl.workers.rollout.engines import _spawn_engine_core
+    monkeypatch.delenv("VLLM_WORKER_MULTIPROC_METHOD", raising=False)
+    _spawn_engine_core()
+    assert os.environ["VLLM_WORKER_MULTIPROC_METHOD"] == "spawn"
+    monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "fork")
+    _spawn_engine_core()
+    assert os.environ["VLLM_WORKER_MULTIPROC_METHOD"] == "fork"
+    assert "forked engine core fails" in caplog.text
 
 
 def test_make_engine_rejects_unknown_kind(tiny_model):

@@ -7,7 +7,8 @@ Stop strings are matched inside the engine, so no token is generated past the ta
 
 - `VLLMEngine`: vLLM's offline `LLM`, engine core (scheduler + model) in this process by default, in
   a child process with VLLM_ENABLE_V1_MULTIPROCESSING=1 (vLLM reads it once per process); weights
-  can be pushed into it either way.
+  can be pushed into it either way. A child core is always spawned, never forked (`_spawn_engine_core`),
+  so scripts that use one need an `if __name__ == "__main__":` guard.
 - `HFEngine`: transformers `generate`, for machines or models vLLM does not cover, and as a reference.
 - `AsyncVLLMEngine`: vLLM's `AsyncLLM`, one request per trajectory. Its engine core always runs in a
   child process (spawned), so scripts using it need an `if __name__ == "__main__":` guard.
@@ -188,6 +189,31 @@ def _vllm_dtype(dtype: str, on_cpu: bool) -> str:
     return dtype
 
 
+def _without_flashinfer() -> None:
+    """vLLM picks FlashInfer's sampler on a GPU and fails to start when the package is absent (it is
+    an optional dependency, often left out where it cannot be installed): fall back to vLLM's own
+    sampler there. An explicit VLLM_USE_FLASHINFER_SAMPLER stands."""
+    import importlib.util
+    if importlib.util.find_spec("flashinfer") is None:
+        os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+
+
+def _spawn_engine_core() -> None:
+    """Make vLLM start its engine-core process by spawning, not forking.
+
+    vLLM forks unless it sees CUDA initialised (`torch.cuda.is_initialized()`). But PyTorch marks a
+    process unsafe to fork as soon as it has merely counted the GPUs (`torch.cuda.is_available()`,
+    which every GPU code path calls first) while `is_initialized()` still says False; the forked core
+    then dies with "Cannot re-initialize CUDA in forked subprocess". A user's explicit choice stands.
+    """
+    if os.environ.get("VLLM_WORKER_MULTIPROC_METHOD", "spawn") != "spawn":
+        logger.warning("VLLM_WORKER_MULTIPROC_METHOD=%s: a forked engine core fails once this process "
+                       "has queried CUDA; unset it to let the engine spawn its core",
+                       os.environ["VLLM_WORKER_MULTIPROC_METHOD"])
+        return
+    os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+
+
 class VLLMEngine:
     """vLLM offline engine; prompts and outputs are token ids."""
 
@@ -209,6 +235,9 @@ class VLLMEngine:
         if separate_core is not None:
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if separate_core else "0"
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        if os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1":
+            _spawn_engine_core()
+        _without_flashinfer()
         from vllm import LLM
 
         self.on_cpu = _on_cpu()
@@ -350,6 +379,8 @@ class AsyncVLLMEngine:
         enforce_eager: bool | None = None,
         **kw,
     ):
+        _spawn_engine_core()
+        _without_flashinfer()
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 

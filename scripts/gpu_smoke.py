@@ -1,0 +1,233 @@
+#!/usr/bin/env python3
+"""GPU smoke test: every GPU-only path that CI (CPU only) never runs, one PASS/FAIL line per part.
+
+    python scripts/gpu_smoke.py [--out outputs/gpu_smoke] [--only demo,grpo] [--sequential]
+    make gpu-smoke
+
+Run it on a GPU node with the packages installed (the offline bundle: scripts/offline_bundle.py)
+before calling a change to a GPU path done. Parts:
+
+- gpu-tests       every tests/**/*_gpu.py (skips count as failures unless a test needs more GPUs)
+- eval-separate   `search-r1 eval` with vLLM, engine core in its own process (the default on a GPU)
+- eval-inprocess  the same with the engine core in this process
+- demo            `python -m search_r1.demo --preset gpu --retriever bm25 --grpo-minutes 1`
+- grpo-0.5b       one GRPO step of a Qwen2.5-0.5B-shaped model through `verl.trainer.main_ppo` (Ray)
+- dense-server    `search-r1 index build` on the GPU and `search-r1 serve` over that dense index,
+                  answering concurrent requests
+
+On a node with several GPUs the parts run side by side, each on GPUs of its own; logs are written
+to `<out>/<part>.log`. The exit status is non-zero when any part failed.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "benchmarks")]
+PY = sys.executable
+EVAL_QUESTIONS = 40
+
+
+@dataclass
+class Part:
+    name: str
+    gpus: int                 # GPUs it needs at least
+    commands: list            # run one after another; a callable runs in this process
+    check: object = None      # callable -> error text or None, after the commands succeeded
+
+
+def sh(*cmd) -> list[str]:
+    return [str(c) for c in cmd]
+
+
+def parts(out: Path, gpu_count: int, tokenizer: str) -> list[Part]:
+    """The parts, with what they need prepared (SmolLM2 model dir, bundled data, BM25 server)."""
+    from conftest import ServerProcess
+    from search_r1.data.bundled import bundled_paths
+    from search_r1.models import materialize_smollm2
+    from search_r1.retrieval.build import build_bm25_index
+
+    model = materialize_smollm2(out / "smollm2")
+    corpus = bundled_paths()["corpus"]
+    test = out / "test.parquet"
+    if not test.exists():
+        subprocess.run(sh(PY, "-m", "search_r1.data.preprocess", "--bundled", "--split", "test", "--out", test),
+                       check=True, cwd=ROOT)
+    index = build_bm25_index(str(corpus), str(out / "bm25"), progress=False)
+    bm25 = ServerProcess(["--retriever_name", "bm25", "--index_path", str(index), "--corpus_path", str(corpus)],
+                         out / "bm25_server.log")
+
+    def eval_part(core: str) -> Part:
+        dest = out / f"eval_{core}"
+        return Part(f"eval-{core.replace('_', '')}", 1, [sh(
+            PY, "-m", "search_r1.cli", "eval", "--model", model, "--data", test, "--retriever-url",
+            f"{bm25.url}/retrieve", "--limit", EVAL_QUESTIONS, "--mode", "search", "--engine", "vllm",
+            "--engine-core", core, "--max-turns", 3, "--out", dest)],
+            lambda: expect_eval(dest / "eval_search.json"))
+
+    enc, dense = out / "e5-shaped-random", out / "dense_index"
+    from bench_server import make_encoder_dir
+    make_encoder_dir(str(enc), tokenizer, dim=384, layers=2)
+    return [
+        Part("gpu-tests", min(2, gpu_count), [sh(PY, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
+                                                 *sorted(str(p) for p in ROOT.glob("tests/**/*_gpu.py")))],
+             lambda: expect_no_skips(out / "gpu-tests.log", gpu_count)),
+        eval_part("separate"),
+        eval_part("in_process"),
+        Part("demo", 1, [sh(PY, "-m", "search_r1.demo", "--preset", "gpu", "--retriever", "bm25",
+                            "--grpo-minutes", 1, "--eval-questions", EVAL_QUESTIONS, "--out", out / "demo")],
+             lambda: expect_file(out / "demo" / "run" / "report.html")),
+        Part("grpo-0.5b", 1, [sh(PY, ROOT / "benchmarks" / "bench_grpo_step.py", "--shape", "0.5b", "--steps", 1,
+                                 "--prompts", 8, "--n", 4, "--max-turns", 2, "--search-every", 100,
+                                 "--workdir", out / "grpo", "--out", out / "grpo.jsonl")],
+             lambda: expect_rows(out / "grpo.jsonl", 1)),
+        Part("dense-server", 1, [
+            sh(PY, "-m", "search_r1.cli", "index", "build", "--corpus_path", corpus, "--out", dense,
+               "--retriever_model", enc),
+            lambda: query_dense_server(enc, dense, corpus, out / "dense_server.log")]),
+    ], bm25
+
+
+# -- checks: a part passes only if it did what it is for, not merely exited 0 ----------------------
+
+def expect_eval(path: Path) -> str | None:
+    if not path.exists():
+        return f"{path} was not written"
+    n = json.loads(path.read_text())["n"]
+    return None if n == EVAL_QUESTIONS else f"{n} questions scored, expected {EVAL_QUESTIONS}"
+
+
+def expect_file(path: Path) -> str | None:
+    return None if path.exists() else f"{path} was not written"
+
+
+def expect_rows(path: Path, n: int) -> str | None:
+    rows = path.read_text().splitlines() if path.exists() else []
+    return None if len(rows) >= n else f"{len(rows)} step rows in {path}, expected {n}"
+
+
+def expect_no_skips(log: Path, gpu_count: int) -> str | None:
+    """A GPU test that skips on a GPU node hides a broken path (a missing package, say); only tests
+    that need more GPUs than the part was given may skip."""
+    skips = [line for line in log.read_text().splitlines() if line.startswith("SKIPPED")]
+    hidden = [s for s in skips if not ("GPUs" in s and gpu_count < 2)]
+    return None if not hidden else "skipped on a GPU node: " + "; ".join(hidden)
+
+
+def query_dense_server(enc: Path, index: Path, corpus, log: Path) -> None:
+    """Serve the dense index on the GPU and ask it 64 questions from 8 concurrent clients."""
+    from conftest import ServerProcess
+    server = ServerProcess(["--retriever_name", "e5", "--retriever_model", str(enc), "--index_path", str(index),
+                            "--corpus_path", str(corpus)], log)
+    try:
+        health = httpx.get(server.url + "/health", timeout=10).json()
+        queries = [f"what is the capital of country number {i}?" for i in range(64)]
+
+        def ask(batch):
+            r = httpx.post(server.url + "/retrieve", json={"queries": batch, "topk": 3, "return_scores": True},
+                           timeout=60)
+            r.raise_for_status()
+            return r.json()["result"]
+
+        with ThreadPoolExecutor(8) as pool:
+            results = [hit for part in pool.map(ask, [queries[i:i + 8] for i in range(0, 64, 8)]) for hit in part]
+        if len(results) != 64 or any(len(hits) != 3 or "contents" not in hits[0]["document"] for hits in results):
+            raise AssertionError(f"unexpected answer shape: {results[:1]}")
+        print(f"dense server: {health}; 64 queries answered, 3 passages each")
+    finally:
+        server.stop()
+
+
+# -- running ---------------------------------------------------------------------------------------
+
+def run_part(part: Part, devices: list[int], out: Path) -> tuple[str, bool, float, str]:
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(map(str, devices)),
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    start, error = time.perf_counter(), None
+    with open(out / f"{part.name}.log", "w") as log:
+        for cmd in part.commands:
+            if callable(cmd):
+                try:
+                    cmd()
+                except Exception as e:  # noqa: BLE001 - reported as this part's failure
+                    error = f"{type(e).__name__}: {e}"
+            else:
+                log.write("$ " + " ".join(cmd) + "\n")
+                log.flush()
+                r = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+                if r.returncode:
+                    error = f"exit {r.returncode}"
+            if error:
+                break
+    if error is None and part.check is not None:
+        error = part.check()
+    return part.name, error is None, time.perf_counter() - start, error or ""
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default="outputs/gpu_smoke")
+    p.add_argument("--only", help="comma-separated part names")
+    p.add_argument("--sequential", action="store_true", help="one part at a time, on the first GPUs")
+    p.add_argument("--tokenizer", default=os.environ.get("SMOKE_BERT_TOKENIZER", "all-MiniLM-L6-v2"),
+                   help="a BERT-vocabulary tokenizer (dir or bundled name) for the dense server's random encoder")
+    a = p.parse_args(argv)
+    import torch
+    if not torch.cuda.is_available():
+        print("FAIL  setup: no CUDA device visible")
+        return 1
+    from search_r1.retrieval.models import resolve_model
+    out = Path(a.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    gpu_count = torch.cuda.device_count()
+    print(f"GPU smoke on {gpu_count} × {torch.cuda.get_device_name(0)}; logs in {out}", flush=True)
+    t0 = time.perf_counter()
+    todo, bm25 = parts(out, gpu_count, resolve_model(a.tokenizer))
+    if a.only:
+        names = a.only.split(",")
+        todo = [part for part in todo if part.name in names]
+    free = list(range(gpu_count))
+    results = []
+    try:
+        lanes = 1 if a.sequential else max(1, gpu_count)
+        with ThreadPoolExecutor(lanes) as pool:
+            pending = list(todo)
+            running = {}
+            while pending or running:
+                # Start every part whose GPUs are free; otherwise wait for one to finish.
+                for part in list(pending):
+                    need = min(part.gpus, gpu_count)
+                    if len(free) >= need and len(running) < lanes:
+                        devices, free[:] = free[:need], free[need:]
+                        running[pool.submit(run_part, part, devices, out)] = devices
+                        pending.remove(part)
+                done = next((f for f in running if f.done()), None)
+                if done is None:
+                    time.sleep(0.5)
+                    continue
+                free.extend(running.pop(done))
+                free.sort()
+                name, ok, seconds, error = done.result()
+                results.append(ok)
+                print(f"{'PASS' if ok else 'FAIL'}  {name:<15} {seconds:6.0f} s  {error}", flush=True)
+    finally:
+        bm25.stop()
+    passed = sum(results)
+    print(f"{passed}/{len(results)} parts passed in {time.perf_counter() - t0:.0f} s", flush=True)
+    return 0 if passed == len(results) == len(todo) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
