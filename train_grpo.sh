@@ -16,7 +16,6 @@ exec "${PYTHON:-python3}" -m verl.trainer.main_ppo \
     data.max_prompt_length=4096 \
     data.max_response_length=500 \
     data.max_obs_length=500 \
-    data.apply_chat_template=false \
     algorithm.adv_estimator=grpo \
     algorithm.use_kl_in_reward=false \
     actor_rollout_ref.model.path="$BASE_MODEL" \

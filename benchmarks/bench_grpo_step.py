@@ -132,7 +132,7 @@ def main(argv=None):
     retriever_url = a.retriever_url or f"{server.url}/retrieve"
     gpu = not a.quick
     run_dir = work / f"run_{a.shape}_{int(time.time())}"
-    mini = a.prompts  # one optimizer step per training step
+    mini = a.prompts * a.n  # trajectories: one optimizer step per training step
     args = [f"data.train_files={work / 'train.parquet'}", f"data.val_files={work / 'test.parquet'}",
             f"data.train_batch_size={a.prompts}", "data.val_data_num=8", "data.max_prompt_length=512",
             f"data.max_response_length={a.response_length}", "data.max_obs_length=256",
@@ -144,6 +144,8 @@ def main(argv=None):
             f"actor_rollout_ref.rollout.log_prob_micro_batch_size={min(32 * a.gpus, a.prompts * a.n)}",
             f"actor_rollout_ref.ref.log_prob_micro_batch_size={min(32 * a.gpus, a.prompts * a.n)}",
             "algorithm.adv_estimator=grpo", "algorithm.use_kl_in_reward=false",
+            # the settings of the earlier rows (RESULTS.md), whatever the trainer's defaults become
+            "actor_rollout_ref.rollout.top_p=1.0", "actor_rollout_ref.actor.entropy_coeff=0.0",
             "actor_rollout_ref.actor.use_kl_loss=true",
             "actor_rollout_ref.rollout.agent_loop=search_r1.agent.loop:SearchAgentLoop",
             f"actor_rollout_ref.rollout.gpu_memory_utilization={0.5 if gpu else 0.3}",

@@ -51,7 +51,13 @@ def _serve_parser(sub):
     _add(p, "max_wait_ms", type=float, default=c.max_wait_ms)
     _add(p, "max_pending", type=int, default=c.max_pending)
     _add(p, "max_topk", type=int, default=c.max_topk)
-    _add(p, "max_queries_per_request", type=int, default=c.max_queries_per_request)
+    _add(p, "max_queries_per_request", type=int, default=c.max_queries_per_request,
+         help="more queries in one request get a 413 (the server batches them itself)")
+    _add(p, "max_query_chars", type=int, default=c.max_query_chars,
+         help="a longer query gets a 413 (a dense encoder cuts queries at --query_max_length tokens)")
+    _add(p, "max_body_bytes", type=int, default=c.max_body_bytes, help="a larger request body gets a 413")
+    _add(p, "pages_path", help="web pages JSONL (rows {\"url\", \"contents\", ...}, as ASearcher's "
+                               "--pages_path) served by POST /access; converted to .pages.arrow on first use")
     _add(p, "pipeline", action=argparse.BooleanOptionalAction, default=c.pipeline,
          help="dense retrievers: encode one batch in a thread while another searches the batch "
               "before it (default; --no-pipeline: one thread does both, batch after batch)")
@@ -71,9 +77,14 @@ def _serve(args):
     r_args = RetrieverArgs(**{f.name: getattr(args, f.name) for f in fields(RetrieverArgs)})
     cfg = ServerConfig(topk=args.topk, max_topk=args.max_topk,
                        max_queries_per_request=args.max_queries_per_request,
+                       max_query_chars=args.max_query_chars, max_body_bytes=args.max_body_bytes,
                        max_batch=args.max_batch, max_wait_ms=args.max_wait_ms,
                        max_pending=args.max_pending, pipeline=args.pipeline,
                        api_key=args.api_key or os.environ.get("SEARCH_R1_API_KEY"))
+    pages = None
+    if args.pages_path:  # before the retriever, which takes far longer to load
+        from search_r1.retrieval.corpus import Pages
+        pages = Pages(args.pages_path)
     if args.worker_process:
         from functools import partial
 
@@ -81,7 +92,7 @@ def _serve(args):
         retriever = ProcessRetriever(partial(build_retriever, r_args))
     else:
         retriever = build_retriever(r_args)
-    serve(retriever, cfg, args.host, args.port, name=args.retriever_name)
+    serve(retriever, cfg, args.host, args.port, name=args.retriever_name, pages=pages)
 
 
 def _index_parser(sub):

@@ -168,7 +168,9 @@ def grpo_overrides(size: Preset, train: Path, test: Path, model: Path, url: str,
             f"data.max_response_length={size.response_length}", "data.max_obs_length=256",
             f"actor_rollout_ref.model.path={model}", f"actor_rollout_ref.rollout.n_agent={size.grpo_n}",
             # one optimizer step per training step: the update stays on-policy
-            f"actor_rollout_ref.actor.ppo_mini_batch_size={size.grpo_prompts}",
+            f"actor_rollout_ref.actor.ppo_mini_batch_size={trajectories}",
+            # the sampling and entropy settings the demo's learning curve was measured with
+            "actor_rollout_ref.rollout.top_p=1.0", "actor_rollout_ref.actor.entropy_coeff=0.0",
             # 16 trajectories of ≤ 2k tokens per backward keep activations small without checkpointing
             f"actor_rollout_ref.actor.ppo_micro_batch_size={min(16, trajectories)}",
             f"actor_rollout_ref.actor.optim.lr={size.lr}", "actor_rollout_ref.actor.use_kl_loss=true",

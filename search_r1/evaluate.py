@@ -19,6 +19,7 @@ ours). Response tokens count the whole response, observations included.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import os
@@ -261,13 +262,19 @@ def build_engine(cfg: EvalConfig, model: str, max_model_len: int):
 
 
 def _encode(tokenizer, messages: list[dict], template: str) -> list[int]:
-    """Prompt ids as the trainer builds them (verl.utils.dataset.load_examples)."""
-    if template == "base":
-        return tokenizer("".join(m["content"] for m in messages)).input_ids
-    if not tokenizer.chat_template:
-        raise ValueError("the tokenizer has no chat template: evaluate this (base) model with --template base")
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    return tokenizer(text, add_special_tokens=False).input_ids
+    """Prompt ids exactly as the trainer builds them: its own function, so the two cannot drift
+    (a tokenizer without a chat template gets the raw text, as in training)."""
+    from verl.utils.dataset import encode_prompt
+    use_chat_template = template != "base" and bool(getattr(tokenizer, "chat_template", None))
+    if template != "base" and not use_chat_template:
+        _warn_no_template()
+    return encode_prompt(messages, tokenizer, use_chat_template, "evaluation prompt")
+
+
+@functools.cache
+def _warn_no_template() -> None:
+    log.warning("the tokenizer has no chat template: prompts are fed as their raw text, as the trainer "
+                "does (pass --template base to say so)")
 
 
 def build_prompts(cfg: EvalConfig, questions: list[Question], tokenizer) -> tuple[list[list[int]], list[list[str]]]:

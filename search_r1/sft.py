@@ -71,11 +71,11 @@ class _Builder:
                                  cfg=AgentConfig(max_obs_length=max_obs_length))
 
     def prompt_ids(self, prompt: list[dict] | str) -> list[int]:
-        # The same two paths as verl.utils.dataset.load_examples (chat template or raw text).
-        if isinstance(prompt, str):
-            return self.tok(prompt).input_ids
-        text = self.tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
-        return self.tok(text, add_special_tokens=False).input_ids
+        # The trainer's own function (chat template, or raw text for text prompts and tokenizers
+        # without a template), so SFT and RL see the same prompt ids.
+        from verl.utils.dataset import encode_prompt
+        use_chat_template = isinstance(prompt, list) and bool(getattr(self.tok, "chat_template", None))
+        return encode_prompt(prompt, self.tok, use_chat_template, "SFT prompt")
 
     def question_prompt_ids(self, question: str) -> list[int]:
         if self.template == "base":

@@ -4,6 +4,9 @@
         --out data/train.parquet
     python scripts/data_process/qa_search.py --bundled --split test --template base \
         --out data/geo_test.parquet
+    # your own prompt, e.g. that of runs made with the original scripts ({question} is filled in)
+    python scripts/data_process/qa_search.py --sources nq --split train \
+        --template-file my_prompt.txt --out data/train.parquet
 """
 import sys
 from pathlib import Path

@@ -1,12 +1,16 @@
 """Turn QA datasets into the parquet files the trainer reads.
 
-Each row: `data_source`, `prompt` (chat messages from `templates.make_prompt`), `ability`,
-`reward_model = {"style": "rule", "ground_truth": {"target": [answers]}}` and
+Each row: `data_source`, `prompt` (one user message: a template filled in for the question),
+`ability`, `reward_model = {"style": "rule", "ground_truth": {"target": [answers]}}` and
 `extra_info = {"split", "index"}`.
 
 Deviation from the original scripts: `extra_info.index` runs over all merged sources, so it is
 unique in a file and can serve as the prompt's group id; the original restarted it at 0 for each
 source, which made ids collide when NQ and HotpotQA were trained on together.
+
+The template is one of ours (`--template base|instruct`) or the user's (`--template-file FILE`, a
+format string with the placeholders of `templates.PLACEHOLDERS`), so data can be rebuilt with the
+exact prompt of earlier runs; the trainer feeds the prompt as written.
 
 Sources, merged in this order:
 - FlashRAG datasets by name (`--sources nq,hotpotqa`), from the Hugging Face hub or from a local
@@ -28,7 +32,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from search_r1.data import bundled
-from search_r1.data.templates import TEMPLATES, make_prompt
+from search_r1.data.templates import TEMPLATES, fill_template, read_template_file
 
 log = logging.getLogger(__name__)
 
@@ -124,12 +128,12 @@ def read_qa_file(path: str | os.PathLike) -> list[dict]:
 
 
 def make_row(question: str, answers, data_source: str, split: str, index: int,
-             template: str) -> dict:
+             template_text: str) -> dict:
     if isinstance(answers, str):  # some files store a single answer as a bare string
         answers = [answers]
     return {
         "data_source": data_source,
-        "prompt": make_prompt(question, template),
+        "prompt": [{"role": "user", "content": fill_template(template_text, question)}],
         "ability": ABILITY,
         "reward_model": {"style": "rule", "ground_truth": {"target": [str(a) for a in answers]}},
         "extra_info": {"split": split, "index": index},
@@ -137,13 +141,15 @@ def make_row(question: str, answers, data_source: str, split: str, index: int,
 
 
 def build_rows(sources: list[tuple[str, list[dict]]], split: str,
-               template: str = "instruct") -> list[dict]:
-    """Rows for all sources in order; `extra_info.index` is a running index over all of them."""
+               template_text: str = TEMPLATES["instruct"]) -> list[dict]:
+    """Rows for all sources in order; `extra_info.index` is a running index over all of them.
+
+    `template_text` is a template's text (TEMPLATES or `read_template_file`), not its name."""
     rows = []
     for name, records in sources:
         for r in records:
             rows.append(make_row(r["question"], r["golden_answers"], name, split, len(rows),
-                                 template))
+                                 template_text))
         log.info("%s/%s: %d rows", name, split, len(records))
     return rows
 
@@ -186,7 +192,13 @@ def main(argv: list[str] | None = None, loader: Loader | None = None) -> Path:
                              "NAME becomes data_source (repeatable)")
     parser.add_argument("--bundled", action="store_true", help="add the bundled geography task")
     parser.add_argument("--split", default="train", help="train, dev or test")
-    parser.add_argument("--template", default="instruct", choices=sorted(TEMPLATES))
+    prompt = parser.add_mutually_exclusive_group()
+    prompt.add_argument("--template", default="instruct", choices=sorted(TEMPLATES),
+                        help="one of our prompt templates (base: plain text for base models)")
+    prompt.add_argument("--template-file", default=None, metavar="FILE",
+                        help="your own prompt template, e.g. that of earlier runs: a text file "
+                             "with {question} where the question goes (literal braces doubled); "
+                             "its text is used exactly")
     parser.add_argument("--local-dir", default=None,
                         help="local copy of the FlashRAG dataset repository, "
                              "used instead of the hub")
@@ -197,10 +209,13 @@ def main(argv: list[str] | None = None, loader: Loader | None = None) -> Path:
     names = [n.strip() for n in args.sources.split(",") if n.strip()]
     if not (names or args.local or args.bundled):
         parser.error("nothing to convert: give --sources, --local or --bundled")
+    # Read before any download, so a bad template fails at once.
+    template_text = (read_template_file(args.template_file) if args.template_file
+                     else TEMPLATES[args.template])
     if loader is None:
         loader = local_dir_loader(args.local_dir) if args.local_dir else hub_loader
     rows = build_rows(collect_sources(names, args.local, args.bundled, args.split, loader),
-                      args.split, args.template)
+                      args.split, template_text)
     path = write_parquet(rows, args.out)
     log.info("wrote %d rows to %s", len(rows), path)
     return path

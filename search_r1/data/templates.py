@@ -4,8 +4,15 @@ The tags are the contract with the agent loop and the rewards: the model reasons
 asks in <search>, reads <information> (written by the environment), and ends with <answer>.
 Both templates say the same thing; the base one reads as a document to continue, the instruct
 one speaks to the assistant and is sent through the model's chat template.
+
+Users may bring their own template instead (`qa_search.py --template-file`), e.g. the exact prompt
+of runs made with the original scripts. Templates are Python format strings: PLACEHOLDERS lists the
+fields, and literal braces are written `{{` and `}}`.
 """
 from __future__ import annotations
+
+import string
+from pathlib import Path
 
 _INSTRUCT = (
     "Answer the question below. You can use a search engine.\n"
@@ -31,17 +38,50 @@ _BASE = (
 TEMPLATES: dict[str, str] = {"base": _BASE, "instruct": _INSTRUCT}
 
 
+# Placeholder -> what it becomes; README's "Data" section documents the same list.
+PLACEHOLDERS: dict[str, str] = {
+    "question": "the question, stripped, with a question mark added when it has none",
+}
+
+
 def _clean_question(question: str) -> str:
     # Many QA sets (NQ, TriviaQA) store questions in lower case without the question mark.
     question = question.strip()
     return question if question.endswith("?") else question + "?"
 
 
+def check_template(text: str, source: str) -> str:
+    """`text` if it is a usable template; else a ValueError that names `source` and the fix."""
+    try:
+        fields = {name for _, name, _, _ in string.Formatter().parse(text) if name is not None}
+    except ValueError as e:  # a lone brace
+        raise ValueError(f"{source}: {e}. Placeholders are written {{question}}; write a literal "
+                         "brace twice ({{ or }}).") from e
+    unknown = sorted(fields - set(PLACEHOLDERS))
+    if unknown:
+        raise ValueError(f"{source} uses the placeholders {unknown}; the known ones are "
+                         f"{sorted(PLACEHOLDERS)}. Write a literal brace twice ({{{{ or }}}}).")
+    if "question" not in fields:
+        raise ValueError(f"{source} has no {{question}} placeholder, so every prompt would be the "
+                         "same: put {question} where the question goes.")
+    return text
+
+
+def read_template_file(path: str | Path) -> str:
+    """A user's template, checked; its text is used exactly, final newline included."""
+    return check_template(Path(path).read_text(encoding="utf-8"), f"Template file {path}")
+
+
+def fill_template(text: str, question: str) -> str:
+    """A template's text with its placeholders filled in for `question`."""
+    return text.format(question=_clean_question(question))
+
+
 def make_prompt_text(question: str, template: str = "instruct") -> str:
     """The prompt as plain text, for models fed without a chat template."""
     if template not in TEMPLATES:
         raise ValueError(f"Unknown prompt template {template!r}: use one of {sorted(TEMPLATES)}.")
-    return TEMPLATES[template].format(question=_clean_question(question))
+    return fill_template(TEMPLATES[template], question)
 
 
 def make_prompt(question: str, template: str = "instruct") -> list[dict]:

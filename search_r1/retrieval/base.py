@@ -13,8 +13,10 @@ class Hit:
     score: float
 
     def to_api(self, with_score: bool = True) -> dict:
-        """One entry of the `/retrieve` answer (the published Search-R1 layout)."""
-        doc = {"id": self.passage.id, "contents": self.passage.contents}
+        """One entry of the `/retrieve` answer (the published Search-R1 layout). The document is the
+        corpus row, its extra fields (e.g. `url`) included, as the original server returned it:
+        ASearcher's and RLinf's clients read `url` from it."""
+        doc = {"id": self.passage.id, "contents": self.passage.contents, **(self.passage.extra or {})}
         return {"document": doc, "score": float(self.score)} if with_score else doc
 
 

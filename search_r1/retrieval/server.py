@@ -1,22 +1,41 @@
 """HTTP retrieval server: the Search-R1 `/retrieve` API with cross-request batching.
 
 Requests are validated on the event loop and queued; a worker thread owns the retriever (and its
-GPU), so no part of it is ever entered from two threads at once. The worker takes whatever queued
-requests fit into `max_batch` queries, waiting at most `max_wait_ms` for more, and answers them all
-from one encode+search call. If that call fails, each request of the batch is retried alone, so one
+GPU), so no part of it is ever entered from two threads at once. A request of more than `max_batch`
+queries is queued as several jobs of at most `max_batch` each. The worker takes whatever queued
+jobs fit into `max_batch` queries, waiting at most `max_wait_ms` for more, and answers them all
+from one encode+search call. If that call fails, each job of the batch is retried alone, so one
 bad request never fails the others. For retrievers with two stages (the dense ones) the worker is
 pipelined by default (`pipeline`): one thread encodes a batch while a second looks up the batch
 encoded before it, each stage owned by its thread. The queue is bounded (`max_pending` queries):
-past it the server answers 503 with Retry-After instead of growing memory. With `--worker_process`
-the retriever itself lives in a child process (`worker_process.ProcessRetriever`) and the worker
-thread only passes batches to it.
+past it the server answers 503 with Retry-After instead of growing memory; an empty queue takes a
+request of any allowed size whole. With `--worker_process` the retriever itself lives in a child
+process (`worker_process.ProcessRetriever`) and the worker thread only passes batches to it.
 
-Differences from the original server: `return_scores: false` works (documents only), bad input
-gets a 4xx that says what is wrong, and `/health` and `/metrics` exist.
+Differences from the original server:
+- `return_scores: false` works (each entry is the document alone, the shape ASearcher's and RLinf's
+  clients read); the original failed on it.
+- Each document is the whole corpus row, as in the original: extra fields such as `url` and
+  `title` come back beside `id` and `contents`.
+- `/access` with `--pages_path` (ASearcher's and RLinf's servers): `{"urls": [...]}` answers
+  `{"result": [page row or null, ...]}`.
+- Accepted as the original accepted them: `{"queries": []}` (→ `{"result": []}`), blank queries
+  (what `<search> </search>` sends; BM25 finds nothing for them), requests of thousands of queries
+  (up to `max_queries_per_request`), over-long queries (the encoder cuts them at its max length), and
+  unknown body fields (ignored, each field name logged once as a warning: `return_score` is one).
+- Refused with an answer that says why, all as `{"error": "..."}`: a body that is not JSON or not the
+  request's shape (422), a query that is not valid Unicode such as a lone surrogate (400, before it
+  reaches a batch), a `topk` out of range (400), more than `max_queries_per_request` queries, a query
+  over `max_query_chars` characters or a body over `max_body_bytes` (413: split the request, do not
+  retry it), a wrong API key (401). These limits are far above what clients send; they stop abuse.
+  Stricter than the original: `topk` must be a JSON integer of at least 1 and `return_scores` a JSON
+  boolean (its lax pydantic model read "3" as 3 and "yes" as true, and it took topk 0 for the default).
+- `/health` and `/metrics` exist.
 """
 from __future__ import annotations
 
 import asyncio
+import difflib
 import json
 import logging
 import os
@@ -30,13 +49,14 @@ from functools import partial
 
 import numpy as np
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics,
                                generate_latest)
-from pydantic import BaseModel, StrictBool, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, StrictStr, ValidationError
+from starlette.exceptions import HTTPException
 
 from search_r1.retrieval.base import Retriever
+from search_r1.retrieval.corpus import Pages
 
 log = logging.getLogger(__name__)
 disable_created_metrics()  # keep /metrics to the series people graph
@@ -46,8 +66,12 @@ disable_created_metrics()  # keep /metrics to the series people graph
 class ServerConfig:
     topk: int = 3                   # default when a request gives none
     max_topk: int = 100
-    max_queries_per_request: int = 1024
-    max_query_chars: int = 2048
+    # The original Search-R1 sends every search of a turn in one request (train batch × rollouts:
+    # thousands on an 8-GPU run); the cap is far above that and only stops abuse.
+    max_queries_per_request: int = 65536
+    # Only against abuse as well: a dense encoder cuts a query at its max length, as the original did.
+    max_query_chars: int = 100_000
+    max_body_bytes: int = 256 << 20
     max_batch: int = 512            # queries per encode+search call
     max_wait_ms: float = 2.0        # how long the worker waits to fill a batch
     max_pending: int = 16384        # queries queued before the server sheds load
@@ -60,13 +84,25 @@ class ServerConfig:
 
 
 class RetrieveRequest(BaseModel):
+    # Unknown fields are kept aside (and logged), not refused: the original accepted them.
+    model_config = ConfigDict(extra="allow")
     queries: list[StrictStr]
     topk: StrictInt | None = None
     return_scores: StrictBool = False
 
 
+class AccessRequest(BaseModel):
+    """ASearcher's `/access`: pages by URL."""
+    model_config = ConfigDict(extra="allow")
+    urls: list[StrictStr]
+
+
 class BadRequest(Exception):
-    pass
+    """A request the server refuses, with the HTTP status to answer."""
+
+    def __init__(self, message: str, status: int = 400):
+        super().__init__(message)
+        self.status = status
 
 
 @dataclass
@@ -81,7 +117,7 @@ class Job:
 class Metrics:
     def __init__(self):
         self.registry = r = CollectorRegistry()
-        self.requests = Counter("retrieval_requests", "HTTP /retrieve requests", ["status"], registry=r)
+        self.requests = Counter("retrieval_requests", "HTTP requests by answer status", ["status"], registry=r)
         self.queries = Counter("retrieval_queries", "queries answered", registry=r)
         self.errors = Counter("retrieval_errors", "requests that failed inside the retriever", registry=r)
         self.rejected = Counter("retrieval_rejected", "requests shed because the queue was full", registry=r)
@@ -123,13 +159,18 @@ class Batcher:
     def alive(self) -> bool:
         return all(t.is_alive() for t in self.threads)
 
-    def submit(self, job: Job) -> bool:
+    def submit(self, jobs: list[Job]) -> bool:
+        """Queue the jobs of one request, all or none."""
+        n = sum(len(j.queries) for j in jobs)
         with self.lock:
-            if self.pending + len(job.queries) > self.cfg.max_pending:
+            # An empty queue takes any request whole: one larger than max_pending (allowed up to
+            # max_queries_per_request) would otherwise be refused forever.
+            if self.pending and self.pending + n > self.cfg.max_pending:
                 return False
-            self.pending += len(job.queries)
+            self.pending += n
             self.metrics.pending.set(self.pending)
-        self.jobs.put(job)
+            for job in jobs:
+                self.jobs.put(job)
         return True
 
     def _next_batch(self) -> list[Job] | None:
@@ -239,27 +280,98 @@ def _concat(parts: list[list]) -> list:
 
 
 def _validate(req: RetrieveRequest, cfg: ServerConfig) -> int:
-    if not req.queries:
-        raise BadRequest("`queries` must be a non-empty list of strings")
-    if len(req.queries) > cfg.max_queries_per_request:
-        raise BadRequest(f"{len(req.queries)} queries in one request; the limit is "
-                         f"{cfg.max_queries_per_request} (split the request)")
-    for i, q in enumerate(req.queries):
-        if not q.strip():
-            raise BadRequest(f"queries[{i}] is empty")
-        if len(q) > cfg.max_query_chars:
-            raise BadRequest(f"queries[{i}] has {len(q)} characters; the limit is {cfg.max_query_chars}")
+    """The request's topk; raises BadRequest for what the server refuses."""
     topk = cfg.topk if req.topk is None else req.topk
     if not 1 <= topk <= cfg.max_topk:
         raise BadRequest(f"topk must be between 1 and {cfg.max_topk}, got {topk}")
+    _check_texts(req.queries, "queries", cfg)
     return topk
 
 
-def create_app(retriever: Retriever, cfg: ServerConfig | None = None, name: str = "retriever") -> FastAPI:
+def _check_texts(texts: list[str], field: str, cfg: ServerConfig) -> None:
+    if len(texts) > cfg.max_queries_per_request:
+        raise BadRequest(f"{len(texts):,} {field} in one request; this server takes at most "
+                         f"{cfg.max_queries_per_request:,} (--max_queries_per_request): split the request",
+                         413)
+    for i, text in enumerate(texts):
+        if len(text) > cfg.max_query_chars:
+            raise BadRequest(f"{field}[{i}] has {len(text):,} characters; this server takes at most "
+                             f"{cfg.max_query_chars:,} (--max_query_chars)", 413)
+    # JSON may carry a lone surrogate ("\ud800"), which no tokenizer can take: refused here, or it
+    # would fail the whole batch it lands in.
+    try:
+        "".join(texts).encode("utf-8")
+    except UnicodeEncodeError:
+        i = next(i for i, text in enumerate(texts) if not _encodable(text))
+        raise BadRequest(f"{field}[{i}] is not valid Unicode (it holds a lone surrogate such as "
+                         "\\ud800)") from None
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+async def _read_json(request: Request, max_bytes: int):
+    """The request body parsed as JSON, read no further than `max_bytes`."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > max_bytes:
+        raise BadRequest(f"the body has {int(declared):,} bytes; this server takes at most {max_bytes:,} "
+                         "(--max_body_bytes): split the request", 413)
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > max_bytes:
+            raise BadRequest(f"the body is over {max_bytes:,} bytes (--max_body_bytes): split the request",
+                             413)
+    try:
+        return json.loads(body)
+    except (ValueError, RecursionError) as e:  # ValueError: bad JSON or bad UTF-8
+        raise BadRequest(f"the body is not JSON ({e.__class__.__name__}: {e})", 422) from None
+
+
+def _parse(model: type[BaseModel], data, expected: str) -> BaseModel:
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        problems = "; ".join(f"{'.'.join(str(p) for p in err['loc']) or 'body'}: {err['msg']}"
+                             for err in e.errors()[:5])
+        more = f" (and {e.error_count() - 5} more)" if e.error_count() > 5 else ""
+        raise BadRequest(f"invalid request: {problems}{more}. Expected {expected}", 422) from None
+
+
+class UnknownFields:
+    """Logs each unknown request field once per endpoint (at most `limit` names, so a client that
+    invents names fills neither the log nor memory)."""
+
+    def __init__(self, limit: int = 100):
+        self.seen: set[tuple[str, str]] = set()
+        self.limit = limit
+
+    def check(self, endpoint: str, req: BaseModel) -> None:
+        for name in req.model_extra or ():
+            if (endpoint, name) in self.seen or len(self.seen) >= self.limit:
+                continue
+            self.seen.add((endpoint, name))
+            close = difflib.get_close_matches(name, type(req).model_fields, n=1)
+            log.warning("%s: ignoring the unknown request field %r%s; logged once per field name",
+                        endpoint, name, f" (did you mean {close[0]!r}?)" if close else "")
+
+
+RETRIEVE_SHAPE = '{"queries": [str, ...], "topk": int, "return_scores": bool}'
+ACCESS_SHAPE = '{"urls": [str, ...]}'
+
+
+def create_app(retriever: Retriever, cfg: ServerConfig | None = None, name: str = "retriever",
+               pages: Pages | None = None) -> FastAPI:
     cfg = cfg or ServerConfig()
     cfg.max_topk = min(cfg.max_topk, getattr(retriever, "max_topk", cfg.max_topk))
     metrics = Metrics()
     batcher = Batcher(retriever, cfg, metrics)
+    unknown_fields = UnknownFields()
 
     @asynccontextmanager
     async def lifespan(app):
@@ -275,45 +387,76 @@ def create_app(retriever: Retriever, cfg: ServerConfig | None = None, name: str 
         metrics.requests.labels(str(status)).inc()
         return JSONResponse({"error": message}, status_code=status, headers=headers or None)
 
-    @app.exception_handler(RequestValidationError)
-    async def on_invalid(request: Request, exc: RequestValidationError):
-        problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'][1:]) or 'body'}: {e['msg']}"
-                             for e in exc.errors())
-        return error(422, f"invalid request: {problems}. Expected "
-                          '{"queries": [str, ...], "topk": int, "return_scores": bool}')
-
-    @app.post("/retrieve")
-    async def retrieve(req: RetrieveRequest, request: Request):
-        t0 = time.perf_counter()
-        if cfg.api_key and request.headers.get("authorization") != f"Bearer {cfg.api_key}":
-            return error(401, "missing or wrong bearer token (Authorization: Bearer <api key>)")
-        try:
-            topk = _validate(req, cfg)
-        except BadRequest as e:
-            return error(400, str(e))
-        loop = asyncio.get_running_loop()
-        job = Job(req.queries, topk, loop.create_future(), loop, time.monotonic())
-        if not batcher.submit(job):
-            metrics.rejected.inc()
-            return error(503, "server busy: too many queued queries, retry later", **{"Retry-After": "1"})
-        try:
-            hits = await job.future
-        except Exception as e:
-            metrics.errors.inc()
-            return error(500, str(e))
-        body = json.dumps({"result": [[h.to_api(req.return_scores) for h in hs] for hs in hits]},
-                          ensure_ascii=False)
+    def answer(payload: dict) -> Response:
         metrics.requests.labels("200").inc()
-        metrics.queries.inc(len(req.queries))
-        metrics.latency.observe(time.perf_counter() - t0)
         # A ready-made body: FastAPI's generic encoder walks every nested dict in Python and was
         # the server's bottleneck under load.
-        return Response(body, media_type="application/json")
+        return Response(json.dumps(payload, ensure_ascii=False), media_type="application/json")
+
+    def authorized(request: Request) -> bool:
+        return not cfg.api_key or request.headers.get("authorization") == f"Bearer {cfg.api_key}"
+
+    # Every error answers {"error": ...}, Starlette's own (unknown path, wrong method) included.
+    @app.exception_handler(HTTPException)
+    async def on_http_error(request: Request, exc: HTTPException):
+        return error(exc.status_code, str(exc.detail), **(exc.headers or {}))
+
+    @app.exception_handler(Exception)
+    async def on_bug(request: Request, exc: Exception):
+        return error(500, "internal server error; see the server log")
+
+    @app.post("/retrieve")
+    async def retrieve(request: Request):
+        t0 = time.perf_counter()
+        if not authorized(request):  # before the body is read
+            return error(401, "missing or wrong bearer token (Authorization: Bearer <api key>)")
+        try:
+            req = _parse(RetrieveRequest, await _read_json(request, cfg.max_body_bytes), RETRIEVE_SHAPE)
+            unknown_fields.check("/retrieve", req)
+            topk = _validate(req, cfg)
+        except BadRequest as e:
+            return error(e.status, str(e))
+        if not req.queries:
+            return answer({"result": []})
+        loop = asyncio.get_running_loop()
+        jobs = [Job(req.queries[lo:lo + cfg.max_batch], topk, loop.create_future(), loop, time.monotonic())
+                for lo in range(0, len(req.queries), cfg.max_batch)]
+        if not batcher.submit(jobs):
+            metrics.rejected.inc()
+            return error(503, "server busy: too many queued queries, retry later", **{"Retry-After": "1"})
+        parts = await asyncio.gather(*(j.future for j in jobs), return_exceptions=True)
+        failed = next((p for p in parts if isinstance(p, BaseException)), None)
+        if failed is not None:
+            metrics.errors.inc()
+            return error(500, str(failed))
+        response = answer({"result": [[h.to_api(req.return_scores) for h in hits]
+                                      for part in parts for hits in part]})
+        metrics.queries.inc(len(req.queries))
+        metrics.latency.observe(time.perf_counter() - t0)
+        return response
+
+    @app.post("/access")
+    async def access(request: Request):
+        if not authorized(request):
+            return error(401, "missing or wrong bearer token (Authorization: Bearer <api key>)")
+        if pages is None:
+            return error(404, "this server has no pages: start it with --pages_path PAGES.jsonl "
+                              '(rows {"url": ..., "contents": ...}) to serve /access')
+        try:
+            req = _parse(AccessRequest, await _read_json(request, cfg.max_body_bytes), ACCESS_SHAPE)
+            unknown_fields.check("/access", req)
+            _check_texts(req.urls, "urls", cfg)
+        except BadRequest as e:
+            return error(e.status, str(e))
+        # Off the event loop: a page not in the OS cache is read from disk.
+        found = await asyncio.to_thread(lambda: [pages.get(url) for url in req.urls])
+        return answer({"result": found})
 
     @app.get("/health")
     async def health():
         return {"status": "ok", "retriever": name, "pending_queries": batcher.pending,
-                "worker_alive": batcher.alive(), "pipelined": batcher.pipelined, "stats": retriever.stats()}
+                "worker_alive": batcher.alive(), "pipelined": batcher.pipelined, "stats": retriever.stats(),
+                "pages": len(pages) if pages is not None else 0}
 
     @app.get("/metrics")
     async def prometheus():
@@ -336,10 +479,10 @@ def parallel_tokenizers() -> None:
 
 
 def serve(retriever: Retriever, cfg: ServerConfig, host: str = "127.0.0.1", port: int = 8000,
-          name: str = "retriever"):
+          name: str = "retriever", pages: Pages | None = None):
     import uvicorn
 
-    app = create_app(retriever, cfg, name)
+    app = create_app(retriever, cfg, name, pages)
     # The event loop (HTTP, JSON) and the worker (kernel launches) share the GIL. Under load the
     # worker waited up to the default 5 ms switch interval for each hand-over, which made
     # encoding several times slower; a shorter interval lets it in sooner.

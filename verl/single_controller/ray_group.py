@@ -32,7 +32,18 @@ def start_ray(address: str | None, device: str):
     env = {"env_vars": {**WORKER_ENV, **{k: v for k, v in os.environ.items()
                                          if k.startswith(("HF_", "WANDB_", "PYTHONPATH", "VLLM_"))}}}
     if address:
-        ray.init(address=address, runtime_env=env, log_to_driver=True)
+        try:
+            ray.init(address=address, runtime_env=env, log_to_driver=True)
+        except Exception as e:
+            if os.environ.get("RAY_AUTH_MODE") == "token":
+                raise
+            # `ray start --head` enables token authentication by default; a driver that does not
+            # say so is turned away with a bare connection error.
+            raise RuntimeError(
+                f"could not join the Ray cluster at trainer.ray_address={address!r} ({e}). If it was "
+                "started with `ray start`, it expects token authentication: export RAY_AUTH_MODE=token "
+                "here and on every node that joins, with the head's ~/.ray/auth_token copied to each "
+                "(or RAY_AUTH_TOKEN set)") from e
     else:
         ray.init(runtime_env=env, include_dashboard=False, log_to_driver=True,
                  num_cpus=max(os.cpu_count() or 1, 4))

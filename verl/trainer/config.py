@@ -27,6 +27,9 @@ class DataConfig:
     max_prompt_length: int = 4096
     max_response_length: int = 500
     max_obs_length: int = 500
+    # The original capped the first prompt's tokens with it; here data.max_prompt_length does (longer
+    # prompts are dropped with a warning), so it is accepted and read by nothing.
+    max_start_length: int | None = None
     shuffle_train_dataloader: bool = True
     apply_chat_template: bool = True
     seed: int = 1
@@ -55,6 +58,8 @@ class OptimConfig:
 @dataclass
 class FSDPConfig:
     param_offload: bool = False
+    # FSDP2 offloads gradients together with the parameters: true needs param_offload=true too.
+    grad_offload: bool = False
     optimizer_offload: bool = False
     mixed_precision: bool = True
     # several GPUs: keep full weights and gradients across micro-batches (fsdp.accumulation_steps)
@@ -64,7 +69,7 @@ class FSDPConfig:
 @dataclass
 class ActorConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
-    ppo_mini_batch_size: int = 256
+    ppo_mini_batch_size: int = 256   # trajectories per optimizer step, over all GPUs (as the original)
     ppo_micro_batch_size: int = 64
     ppo_epochs: int = 1
     grad_clip: float = 1.0
@@ -72,7 +77,7 @@ class ActorConfig:
     clip_ratio_high: float = 0.2
     clip_ratio_c: float | None = None
     loss_agg_mode: str = "token-mean"
-    entropy_coeff: float = 0.0
+    entropy_coeff: float = 0.001
     use_kl_loss: bool = False
     kl_loss_coef: float = 0.001
     kl_loss_type: str = "low_var_kl"
@@ -91,8 +96,11 @@ class RefConfig:
 class RolloutConfig:
     name: str = "vllm"
     n_agent: int = 1
+    # The original's vLLM `n` (samples per prompt inside one generate call); its search agent samples
+    # through n_agent, so only 1 is accepted.
+    n: int = 1
     temperature: float = 1.0
-    top_p: float = 1.0
+    top_p: float = 0.95
     gpu_memory_utilization: float = 0.6
     tensor_model_parallel_size: int = 1
     enforce_eager: bool | None = None
@@ -141,6 +149,7 @@ class CriticModelConfig:
     path: str | None = None
     enable_gradient_checkpointing: bool = True
     gradient_checkpointing_ratio: float = 1.0  # of the decoder layers, when enable_gradient_checkpointing
+    use_remove_padding: bool = True  # accepted for compatibility: the forward is always padding-free
     fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
 
 
@@ -166,7 +175,10 @@ class AlgorithmConfig:
     gamma: float = 1.0
     lam: float = 1.0
     norm_adv_by_std_in_grpo: bool = True
-    use_kl_in_reward: bool = True
+    # None: as the original, the KL penalty goes into the reward only when actor.use_kl_loss is off
+    # (never both unless both are set true).
+    use_kl_in_reward: bool | None = None
+    no_think_rl: bool = False  # the original's key; it raised at the first step when true, so only false
     kl_penalty: str = "kl"
     kl_ctrl: KLCtrlConfig = field(default_factory=KLCtrlConfig)
 
@@ -179,6 +191,15 @@ class RewardConfig:
 @dataclass
 class RetrieverConfig:
     url: str = "http://127.0.0.1:8000/retrieve"
+    topk: int = 3
+
+
+@dataclass
+class RerankerConfig:
+    """The original trainer called a separate re-ranking service; here the retrieval server re-ranks
+    (`search-r1 serve --reranker_model …`), so only do_rerank=false is accepted."""
+    do_rerank: bool = False
+    url: str | None = None
     topk: int = 3
 
 
@@ -196,6 +217,9 @@ class RunConfig:
     save_freq: int = -1
     test_freq: int = -1
     val_before_train: bool = True
+    val_only: bool = False           # validate once and stop (no training)
+    critic_warmup: int = 0           # steps: the actor is updated from this step on, the critic from step 1
+    default_hdfs_dir: str | None = None  # the original's HDFS copy; only null (checkpoints stay local)
     keep_last_checkpoints: int = 2
     resume_mode: str = "auto"
     default_local_dir: str = "checkpoints/run"
@@ -214,6 +238,7 @@ class TrainerConfig:
     reward: RewardConfig = field(default_factory=RewardConfig)
     max_turns: int = 1
     retriever: RetrieverConfig = field(default_factory=RetrieverConfig)
+    reranker: RerankerConfig = field(default_factory=RerankerConfig)
     trainer: RunConfig = field(default_factory=RunConfig)
 
 
@@ -225,7 +250,47 @@ def load_config(raw) -> TrainerConfig:
     except Exception as e:  # OmegaConf names the key and the expected type
         raise ConfigError(f"invalid trainer config: {e}") from None
     _check_ranges(cfg)
+    _check_original_keys(cfg)
+    if cfg.algorithm.use_kl_in_reward is None:
+        cfg.algorithm.use_kl_in_reward = not cfg.actor_rollout_ref.actor.use_kl_loss
     return cfg
+
+
+def _check_original_keys(cfg: TrainerConfig) -> None:
+    """Keys of the original trainer that are accepted with one value only: any other would be read
+    here with another meaning, so it stops the run at start-up, naming what to use instead."""
+    for key, fsdp in (("actor_rollout_ref.actor", cfg.actor_rollout_ref.actor.fsdp_config),
+                      ("actor_rollout_ref.ref", cfg.actor_rollout_ref.ref.fsdp_config),
+                      ("critic.model", cfg.critic.model.fsdp_config)):
+        if fsdp.grad_offload and not fsdp.param_offload:
+            raise ConfigError(f"{key}.fsdp_config.grad_offload=true: FSDP2 offloads gradients together with "
+                              f"the parameters; set {key}.fsdp_config.param_offload=true as well")
+    if cfg.actor_rollout_ref.rollout.n != 1:
+        raise ConfigError(f"actor_rollout_ref.rollout.n={cfg.actor_rollout_ref.rollout.n}: samples per prompt are "
+                          "set by actor_rollout_ref.rollout.n_agent (as in the original Search-R1 scripts)")
+    if cfg.algorithm.no_think_rl:
+        raise ConfigError("algorithm.no_think_rl=true is not supported (the original stopped at the first step "
+                          "with it): remove the key or set it to false")
+    if cfg.reranker.do_rerank:
+        raise ConfigError("reranker.do_rerank=true: re-ranking runs inside the retrieval server here; start it "
+                          "with `search-r1 serve --reranker_model MODEL --topk_retrieval N` and drop reranker.*")
+    if cfg.trainer.default_hdfs_dir:
+        raise ConfigError(f"trainer.default_hdfs_dir={cfg.trainer.default_hdfs_dir!r}: checkpoints are written to "
+                          "trainer.default_local_dir only; copy them from there (or set the key to null)")
+    if cfg.trainer.critic_warmup < 0:
+        raise ConfigError(f"trainer.critic_warmup={cfg.trainer.critic_warmup}: give the step from which the actor "
+                          "is updated (0: from the first step)")
+
+
+def check_agent_keys(cfg: TrainerConfig, overridden: set[str]) -> None:
+    """Retriever and turn settings are read by a multi-turn agent loop only; given without one, the
+    run would train single-turn generation and ignore them."""
+    if cfg.actor_rollout_ref.rollout.agent_loop is None:
+        given = sorted(k for k in overridden if k == "max_turns" or k.startswith("retriever."))
+        if given:
+            raise ConfigError(f"{', '.join(given)} set but actor_rollout_ref.rollout.agent_loop is null (single-turn "
+                              "generation, no search): add actor_rollout_ref.rollout.agent_loop="
+                              "search_r1.agent.loop:SearchAgentLoop")
 
 
 def _check_ranges(cfg: TrainerConfig) -> None:
@@ -263,7 +328,7 @@ def derive_sizes(cfg: TrainerConfig) -> Sizes:
     n = cfg.actor_rollout_ref.rollout.n_agent
     actor = cfg.actor_rollout_ref.actor
     per_step = cfg.data.train_batch_size * n
-    mini = actor.ppo_mini_batch_size * n
+    mini = actor.ppo_mini_batch_size
 
     def need(cond, message):
         if not cond:
@@ -274,9 +339,9 @@ def derive_sizes(cfg: TrainerConfig) -> Sizes:
          f"by trainer.nnodes × trainer.n_gpus_per_node = {world} workers")
     need(per_step % mini == 0,
          f"data.train_batch_size × rollout.n_agent = {per_step} trajectories per step is not divisible "
-         f"by actor.ppo_mini_batch_size × rollout.n_agent = {mini}")
+         f"actor.ppo_mini_batch_size = {mini} trajectories")
     need(mini % world == 0,
-         f"actor.ppo_mini_batch_size × rollout.n_agent = {mini} is not divisible by {world} workers")
+         f"actor.ppo_mini_batch_size = {mini} trajectories is not divisible by {world} workers")
     for key, value in (("actor_rollout_ref.actor.ppo_micro_batch_size", actor.ppo_micro_batch_size),
                        ("actor_rollout_ref.rollout.log_prob_micro_batch_size",
                         cfg.actor_rollout_ref.rollout.log_prob_micro_batch_size),
@@ -285,7 +350,7 @@ def derive_sizes(cfg: TrainerConfig) -> Sizes:
              f"{key} = {value} trajectories must be a positive multiple of the {world} workers")
     micro = actor.ppo_micro_batch_size // world
     need((mini // world) % micro == 0,
-         f"actor.ppo_mini_batch_size × n_agent / workers = {mini // world} trajectories is not divisible "
+         f"actor.ppo_mini_batch_size / workers = {mini // world} trajectories is not divisible "
          f"by actor.ppo_micro_batch_size / workers = {micro}")
     return Sizes(world, cfg.data.train_batch_size, per_step, per_step // world, mini // world, micro,
                  cfg.actor_rollout_ref.rollout.log_prob_micro_batch_size // world,

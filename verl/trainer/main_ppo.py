@@ -24,13 +24,18 @@ def run(raw: DictConfig) -> None:
 
     from verl.single_controller.ray_group import LocalWorkerGroup, WorkerGroup, start_ray
     from verl.single_controller.workers import CriticWorker, PolicyWorker
-    from verl.trainer.config import ConfigError, derive_sizes, load_config
+    from verl.trainer.config import ConfigError, check_agent_keys, derive_sizes, load_config
     from verl.trainer.core_algos import AdvEstimator
-    from verl.trainer.ppo_trainer import PPOTrainer
+    from verl.trainer.ppo_trainer import PPOTrainer, load_reward_fn
     from verl.utils.dataset import PromptSampler, load_examples
     from verl.utils.tracking import Tracker
 
     cfg = load_config(raw)
+    check_agent_keys(cfg, _overridden_keys())
+    try:  # a missing or wrong reward function stops the run here, before Ray and the workers start
+        load_reward_fn(cfg.reward.function)
+    except (ValueError, ImportError, AttributeError) as e:
+        raise ConfigError(f"reward.function={cfg.reward.function!r}: {e}") from None
     sizes = derive_sizes(cfg)
     run_cfg = cfg.trainer
     device = run_cfg.device if run_cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
@@ -81,6 +86,31 @@ def _count_params(path):
     return list(model.parameters())
 
 
+def _overridden_keys() -> set[str]:
+    """The keys given on the command line (empty when not run through Hydra)."""
+    from hydra.core.hydra_config import HydraConfig
+    if not HydraConfig.initialized():
+        return set()
+    return {o.split("=", 1)[0].lstrip("+~") for o in HydraConfig.get().overrides.task}
+
+
+def accept_plus_on_existing_keys(argv: list[str]) -> list[str]:
+    """The original scripts add keys with `+trainer.val_before_train=true`; Hydra refuses `+` for a key
+    the config already has. Such an override means "set it", so it is passed on as `++` (add or set)."""
+    known = OmegaConf.to_container(OmegaConf.load(os.path.join(CONFIG_DIR, "ppo_trainer.yaml")))
+
+    def exists(dotted: str) -> bool:
+        node = known
+        for part in dotted.split("."):
+            if not isinstance(node, dict) or part not in node:
+                return False
+            node = node[part]
+        return True
+
+    return ["+" + arg if arg.startswith("+") and not arg.startswith("++") and "=" in arg
+            and exists(arg[1:].split("=", 1)[0]) else arg for arg in argv]
+
+
 @hydra.main(config_path=CONFIG_DIR, config_name="ppo_trainer", version_base=None)
 def main(raw: DictConfig) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -93,4 +123,5 @@ def main(raw: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    sys.argv[1:] = accept_plus_on_existing_keys(sys.argv[1:])
     main()

@@ -87,10 +87,12 @@ class PPOTrainer:
         if self.critic is not None:
             with t("update_critic"):
                 metrics |= _mean_dicts(self.fan_out(self.critic, "update_critic", batch, cat=False))
-        with t("update_actor"):
-            metrics |= _mean_dicts(self.fan_out(self.policy, "update_actor", batch, cat=False))
-        with t("weight_sync"):
-            self.policy.call("sync_weights", step=self.step)
+        # trainer.critic_warmup: the critic learns alone until then (self.step counts finished steps)
+        if self.step + 1 >= self.cfg.trainer.critic_warmup:
+            with t("update_actor"):
+                metrics |= _mean_dicts(self.fan_out(self.policy, "update_actor", batch, cat=False))
+            with t("weight_sync"):
+                self.policy.call("sync_weights", step=self.step)
         return metrics | self.throughput(batch, t.seconds) | {f"timing_s/{k}": v for k, v in t.seconds.items()}
 
     # -- phases --------------------------------------------------------------------------------
@@ -173,8 +175,10 @@ class PPOTrainer:
     def throughput(self, batch: RolloutBatch, seconds: dict) -> dict:
         tokens = int(batch.attention_mask_BT.sum())
         generated = sum(s["model_tokens"] for s in batch.info["stats"])
-        out = {"throughput/generated_tokens_per_s": generated / max(seconds["rollout"], 1e-9),
-               "throughput/train_tokens_per_s": tokens / max(seconds["update_actor"], 1e-9)}
+        out = {"throughput/generated_tokens_per_s": generated / max(seconds["rollout"], 1e-9)}
+        if "update_actor" not in seconds:  # a critic warm-up step
+            return out
+        out["throughput/train_tokens_per_s"] = tokens / max(seconds["update_actor"], 1e-9)
         if self.peak_flops and getattr(self, "n_params", None):
             # forward+backward ≈ 6 FLOPs per parameter per token (attention left out)
             out["throughput/mfu_actor_update"] = 6 * self.n_params * tokens * self.cfg.actor_rollout_ref.actor.ppo_epochs / (
@@ -242,6 +246,10 @@ class PPOTrainer:
         start = time.perf_counter()
         self.resume()
         run = self.cfg.trainer
+        if run.val_only:
+            self.tracker.log(self.validate(), step=self.step)
+            self.tracker.finish()
+            return
         if run.val_before_train and self.step == 0:
             self.tracker.log(self.validate(), step=0)
         with tqdm(total=self.total_steps, initial=self.step, desc="training", unit="step") as bar:

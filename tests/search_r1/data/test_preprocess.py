@@ -127,3 +127,75 @@ def test_bad_inputs_explain_themselves(tmp_path):
         preprocess.collect_sources([], [str(bad)], False, "train", FakeHub())
     with pytest.raises(ValueError, match="train and test"):
         preprocess.collect_sources([], [], True, "dev", FakeHub())
+
+
+# Our own words, standing in for the prompt of a user's earlier runs; braces in the text are literal.
+USER_TEMPLATE = ("Think in <think> </think>, search with <search> q </search>, answer in "
+                 "<answer> </answer>, e.g. {{\"answer\": \"Paris\"}}. Question: {question}\n")
+
+
+def test_template_file_renders_the_users_prompt(local_files, tmp_path):
+    jsonl, _ = local_files
+    template = tmp_path / "my_prompt.txt"
+    template.write_text(USER_TEMPLATE)
+    out = preprocess.main(["--local", f"alpha={jsonl}", "--template-file", str(template),
+                           "--out", str(tmp_path / "mine.parquet")])
+    rows = pq.read_table(out).to_pylist()
+    expected = ("Think in <think> </think>, search with <search> q </search>, answer in "
+                "<answer> </answer>, e.g. {\"answer\": \"Paris\"}. Question: who wrote hamlet?\n")
+    assert rows[0]["prompt"] == [{"role": "user", "content": expected}]
+    assert rows[1]["prompt"][0]["content"].endswith("Question: capital of peru?\n")
+
+    # the trainer's loader hands that text to the tokenizer unchanged
+    from verl.utils.dataset import load_examples
+
+    class Recorder:
+        chat_template = None
+
+        def __init__(self):
+            self.texts = []
+
+        def __call__(self, text, add_special_tokens=True):
+            self.texts.append(text)
+            return type("Encoding", (), {"input_ids": list(text.encode())})()
+
+    tok = Recorder()
+    load_examples(str(out), tok, 10_000, apply_chat_template=False)
+    assert tok.texts == [r["prompt"][0]["content"] for r in rows]
+
+
+@pytest.mark.parametrize("text, message", [
+    ("Question: {query}\n", r"placeholders \['query'\].*\['question'\]"),
+    ("Answer briefly.\n", r"no \{question\} placeholder"),
+    ("JSON {\"a\": 1} Question: {question}\n", r"""placeholders \['"a"'\].*brace twice"""),
+    ("Question: {question} }\n", r"Single '}'.*brace twice"),
+])
+def test_template_file_errors_say_what_to_fix(local_files, tmp_path, text, message):
+    jsonl, _ = local_files
+    template = tmp_path / "bad.txt"
+    template.write_text(text)
+    with pytest.raises(ValueError, match=message):
+        preprocess.main(["--local", f"alpha={jsonl}", "--template-file", str(template),
+                         "--out", str(tmp_path / "never.parquet")])
+    assert not (tmp_path / "never.parquet").exists()
+
+
+def test_template_and_template_file_exclude_each_other(local_files, tmp_path, capsys):
+    jsonl, _ = local_files
+    with pytest.raises(SystemExit):
+        preprocess.main(["--local", f"alpha={jsonl}", "--template", "base", "--template-file",
+                         str(tmp_path / "t.txt"), "--out", str(tmp_path / "x.parquet")])
+    assert "not allowed with argument" in capsys.readouterr().err
+
+
+def test_readme_documents_data_formats_and_placeholders():
+    from pathlib import Path
+
+    from search_r1.data.templates import PLACEHOLDERS
+    from verl.utils.dataset import FILE_TYPES, RLINF_DATA_SOURCE
+
+    readme = (Path(__file__).resolve().parents[3] / "README.md").read_text()
+    data = readme.split("\n## Data\n", 1)[1].split("\n## ", 1)[0]
+    for word in ["--template-file", "solutions", "reward_model.ground_truth.target", "tools_kwargs",
+                 RLINF_DATA_SOURCE, *FILE_TYPES, *(f"{{{name}}}" for name in PLACEHOLDERS)]:
+        assert word in data, word

@@ -67,6 +67,7 @@ def test_concurrent_answers_equal_sequential(dense_server):
 
 BAD_INPUTS = [
     (b"{not json", 422),
+    (b"[[[" * 100_000, 422),  # nested deeper than the JSON parser recurses
     (b'["a list"]', 422),
     (json.dumps({"queries": "one string"}).encode(), 422),
     (json.dumps({"queries": [1, 2]}).encode(), 422),
@@ -74,24 +75,95 @@ BAD_INPUTS = [
     (json.dumps({"queries": ["ok"], "topk": 2.5}).encode(), 422),
     (json.dumps({"queries": ["ok"], "return_scores": "yes"}).encode(), 422),
     (json.dumps({"topk": 3}).encode(), 422),
-    (json.dumps({"queries": []}).encode(), 400),
-    (json.dumps({"queries": ["ok", ""]}).encode(), 400),
-    (json.dumps({"queries": ["   "]}).encode(), 400),
-    (json.dumps({"queries": ["x" * 5000]}).encode(), 400),
+    (b'{"queries": ["ok", "\\ud800"]}', 400),  # a lone surrogate, as JSON escapes it
     (json.dumps({"queries": ["ok"], "topk": 0}).encode(), 400),
     (json.dumps({"queries": ["ok"], "topk": -1}).encode(), 400),
     (json.dumps({"queries": ["ok"], "topk": 21}).encode(), 400),
-    (json.dumps({"queries": ["ok"] * 65}).encode(), 400),
+    (json.dumps({"queries": ["ok"] * 65}).encode(), 413),
+    (json.dumps({"queries": ["x" * 100_001]}).encode(), 413),
 ]
 
 
-@pytest.mark.parametrize("body,status", BAD_INPUTS)
+@pytest.mark.parametrize("body,status", BAD_INPUTS,
+                         ids=[f"{status}-{body[:24].decode()}" for body, status in BAD_INPUTS])
 def test_bad_input_gets_clear_4xx_and_server_keeps_serving(dense_server, body, status):
     r = httpx.post(dense_server.url + "/retrieve", content=body,
                    headers={"content-type": "application/json"})
     assert r.status_code == status, r.text
-    assert r.json()["error"]
+    assert set(r.json()) == {"error"} and r.json()["error"]
+    assert "retry-after" not in r.headers  # a 4xx is not worth retrying
     assert post(dense_server, {"queries": ["capital of Japan"], "topk": 1}).status_code == 200
+
+
+def test_errors_from_the_framework_have_the_same_shape(dense_server):
+    for r in (httpx.get(dense_server.url + "/retrieve"), httpx.post(dense_server.url + "/nowhere", json={}),
+              httpx.post(dense_server.url + "/access", json={"urls": ["https://x"]})):
+        assert r.status_code in (404, 405) and set(r.json()) == {"error"}, r.text
+    assert "--pages_path" in r.json()["error"]  # a server started without pages says how to get them
+
+
+def test_what_the_original_accepted_is_answered(dense_server, real_retriever):
+    """Empty query lists, blank queries (`<search> </search>`) and over-long queries: 200."""
+    r = post(dense_server, {"queries": [], "topk": 3, "return_scores": True})
+    assert r.status_code == 200 and r.json() == {"result": []}
+    long_query = "which city is the capital of Japan " * 60  # 2,100 characters
+    r = post(dense_server, {"queries": ["", "   ", long_query, "capital of Japan"], "topk": 3,
+                            "return_scores": True})
+    assert r.status_code == 200, r.text
+    blank, spaces, long, short = r.json()["result"]
+    assert len(blank) == len(spaces) == 3  # a dense retriever ranks every passage, even for nothing
+    assert long[0]["document"]["contents"].startswith('"Tokyo"')
+    # The encoder cut the long query at its max length, as the original did.
+    encoder = real_retriever.encoder
+    assert encoder.tokenize([long_query])["input_ids"].shape[1] == encoder.max_length
+    assert [len(hits) for hits in real_retriever.search(["", " "], 3)] == [3, 3]
+
+
+def test_unknown_fields_are_accepted_and_logged_once_per_name(real_retriever, caplog):
+    server = ThreadServer(create_app(real_retriever, ServerConfig()))
+    try:
+        with caplog.at_level("WARNING", logger="search_r1.retrieval.server"):
+            for _ in range(3):
+                r = post(server, {"queries": ["capital of Japan"], "topk": 1, "return_score": True,
+                                  "mode": 2})
+                assert r.status_code == 200
+                assert set(r.json()["result"][0][0]) == {"id", "contents"}  # return_scores stays false
+        warnings = [rec.getMessage() for rec in caplog.records if "unknown request field" in rec.getMessage()]
+        assert len(warnings) == 2, warnings
+        assert any("'return_score'" in w and "did you mean 'return_scores'" in w for w in warnings)
+    finally:
+        server.stop()
+
+
+def test_large_request_is_split_into_batches_and_admitted_on_an_empty_queue(real_retriever):
+    wrapped = Wrapped(real_retriever)
+    cfg = ServerConfig(max_batch=16, max_pending=32, max_wait_ms=0, max_queries_per_request=200)
+    server = ThreadServer(create_app(wrapped, cfg))
+    try:
+        queries = [f"capital of {c}" for c in ("Japan", "France", "Peru", "Kenya", "Canada")] * 20
+        r = post(server, {"queries": queries, "topk": 1, "return_scores": True})
+        assert r.status_code == 200, r.text
+        assert [hits[0]["document"]["contents"].split("\n")[0] for hits in r.json()["result"]] == \
+               ['"Tokyo"', '"Paris"', '"Lima"', '"Nairobi"', '"Ottawa"'] * 20
+        assert max(wrapped.calls) <= 16 and sum(wrapped.calls) == 100
+        too_many = post(server, {"queries": ["x"] * 201})
+        assert too_many.status_code == 413 and "--max_queries_per_request" in too_many.json()["error"]
+        assert "retry-after" not in too_many.headers
+        assert httpx.get(server.url + "/health").json()["pending_queries"] == 0
+    finally:
+        server.stop()
+
+
+def test_lone_surrogate_is_refused_before_it_reaches_a_batch(real_retriever):
+    wrapped = Wrapped(real_retriever)
+    server = ThreadServer(create_app(wrapped, ServerConfig()))
+    try:
+        r = httpx.post(server.url + "/retrieve", content=b'{"queries": ["ok", "bad \\udc80 one"]}',
+                       headers={"content-type": "application/json"})
+        assert r.status_code == 400 and "queries[1]" in r.json()["error"] and "surrogate" in r.json()["error"]
+        assert wrapped.calls == []
+    finally:
+        server.stop()
 
 
 def test_startup_refuses_mismatched_or_missing_files(dense_index, tmp_path, capsys):

@@ -58,6 +58,7 @@ def test_logit_bias_outside_the_vocabulary_stops_the_trainer(tiny_model_dir, tmp
     import sys
     r = subprocess.run([sys.executable, "-m", "verl.trainer.main_ppo", f"data.train_files={tmp_path / 't.parquet'}",
                         f"actor_rollout_ref.model.path={tiny_model_dir}", "actor_rollout_ref.rollout.logit_bias={10000000:1}",
+                        "reward.function=search_r1.rewards:score_for",
                         f"hydra.run.dir={tmp_path}"], cwd=CONFIG.parents[1], capture_output=True, text=True, timeout=300)
     assert r.returncode == 2
     assert "actor_rollout_ref.rollout.logit_bias: token ids [10000000] are not in the tokenizer" in r.stderr

@@ -46,7 +46,7 @@ def common(model, data, server):
             "data.train_data_num=16", "data.val_data_num=2", "data.train_batch_size=2",
             "data.max_prompt_length=512", "data.max_response_length=24", "data.max_obs_length=48",
             f"actor_rollout_ref.model.path={model}", "actor_rollout_ref.rollout.n_agent=2",
-            "actor_rollout_ref.actor.ppo_mini_batch_size=2", "actor_rollout_ref.actor.ppo_micro_batch_size=2",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.actor.ppo_micro_batch_size=2",
             "actor_rollout_ref.rollout.log_prob_micro_batch_size=2",
             "actor_rollout_ref.ref.log_prob_micro_batch_size=2", "critic.ppo_micro_batch_size=2",
             "actor_rollout_ref.actor.optim.lr=1e-3",
@@ -102,10 +102,25 @@ def test_grpo_two_steps_resume_and_ppo(tiny_model_dir, bundled_data, bm25_server
     assert [o["indices"] for o in order] == expected
 
     # one PPO step: GAE with a critic, KL in the reward; FSDP2 accumulation with unsharded weights
+    # (the original's trainer.critic_warmup: the critic alone in step 1, both from step 2)
     ppo = base + ["algorithm.adv_estimator=gae", "algorithm.use_kl_in_reward=true",
                   "actor_rollout_ref.rollout.n_agent=1", "data.train_batch_size=2",
-                  "actor_rollout_ref.actor.ppo_mini_batch_size=2", "trainer.total_training_steps=1",
+                  "actor_rollout_ref.actor.ppo_mini_batch_size=2", "trainer.total_training_steps=2",
+                  "trainer.critic_warmup=2",
                   "trainer.val_before_train=false", "actor_rollout_ref.actor.fsdp_config.unsharded_accumulation=true",
                   "critic.model.fsdp_config.unsharded_accumulation=true"]
     rows, _ = train(ppo, tmp_path / "ppo")
-    assert rows[-1]["step"] == 1 and "timing_s/update_critic" in rows[-1] and rows[-1]["vf_loss"] > 0
+    first, second = [r for r in rows if r["step"] > 0]
+    assert "timing_s/update_critic" in first and first["vf_loss"] > 0 and "timing_s/update_actor" not in first
+    assert "timing_s/update_actor" in second and second["grad_norm"] > 0
+
+
+def test_val_only_validates_once_and_trains_nothing(tiny_model_dir, bundled_data, bm25_server, tmp_path):
+    if reason := vllm_skip_reason():
+        pytest.skip(reason)
+    args = common(tiny_model_dir, bundled_data, bm25_server) + [
+        "algorithm.adv_estimator=grpo", "trainer.single_process=true", "trainer.n_gpus_per_node=1",
+        "+trainer.val_only=true", "trainer.total_training_steps=3", "trainer.save_freq=1"]
+    rows, _ = train(args, tmp_path / "val_only")
+    assert [r["step"] for r in rows] == [0] and "val/reward/em" in rows[0]
+    assert not (tmp_path / "val_only" / "checkpoints").exists()

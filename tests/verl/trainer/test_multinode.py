@@ -1,0 +1,55 @@
+"""Multi-node as users run it, on one CPU host: two Ray nodes started with `ray start` (a head and a
+worker joining it, one CPU each, so the two trainer workers must land on different nodes), then the
+tiny GRPO run through `python -m verl.trainer.main_ppo` with `trainer.nnodes=2` and
+`trainer.ray_address` pointing at the head. The workers meet over gloo across the two raylets."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from conftest import free_port, vllm_skip_reason
+from test_main_ppo import ROOT, bm25_server, bundled_data, common, train  # noqa: F401 (fixtures)
+
+pytestmark = pytest.mark.skipif(shutil.which("ray") is None, reason="needs the `ray` command")
+
+
+@pytest.fixture
+def two_node_cluster(tmp_path, monkeypatch):
+    port = free_port()
+    # Short temp dir: Ray's socket paths must stay under the OS limit of 107 characters.
+    temp = f"/tmp/ray_mn_{os.getpid()}"
+    # `ray start --head` turns on token authentication; whatever joins it (a node, the trainer's
+    # driver) says so with RAY_AUTH_MODE=token and finds the token in ~/.ray/auth_token, as README says.
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+    common_args = ["--num-cpus=1", "--num-gpus=0", "--disable-usage-stats"]
+    subprocess.run(["ray", "start", "--head", f"--port={port}", "--include-dashboard=false",
+                    f"--temp-dir={temp}", *common_args], check=True, env=env, capture_output=True, timeout=180)
+    try:
+        subprocess.run(["ray", "start", f"--address=127.0.0.1:{port}", *common_args], check=True, env=env,
+                       capture_output=True, timeout=180)
+        yield f"127.0.0.1:{port}"
+    finally:
+        subprocess.run(["ray", "stop", "--force"], env=env, capture_output=True, timeout=120)
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+def test_grpo_across_two_ray_nodes(two_node_cluster, tiny_model_dir, bundled_data, bm25_server, tmp_path):
+    if reason := vllm_skip_reason():
+        pytest.skip(reason)
+    args = common(tiny_model_dir, bundled_data, bm25_server) + [
+        "algorithm.adv_estimator=grpo", "actor_rollout_ref.actor.use_kl_loss=true",
+        "trainer.nnodes=2", "trainer.n_gpus_per_node=1", f"trainer.ray_address={two_node_cluster}",
+        "trainer.total_training_steps=1", "trainer.val_before_train=false"]
+    rows, log = train(args, tmp_path / "run")
+    assert [r["step"] for r in rows] == [1] and rows[0]["grad_norm"] > 0
+    nodes = json.loads(subprocess.run(
+        [sys.executable, "-c", "import json, ray; ray.init(address=%r, log_to_driver=False); "
+         "print(json.dumps([n['NodeID'] for n in ray.nodes() if n['Alive']]))" % two_node_cluster],
+        capture_output=True, text=True, timeout=120, cwd=ROOT).stdout.splitlines()[-1])
+    assert len(nodes) == 2
