@@ -89,7 +89,10 @@ def parts(out: Path, gpu_count: int, tokenizer: str) -> list[Part]:
              lambda: expect_file(out / "demo" / "run" / "report.html")),
         Part("grpo-0.5b", 1, [sh(PY, ROOT / "benchmarks" / "bench_grpo_step.py", "--shape", "0.5b", "--steps", 1,
                                  "--prompts", 8, "--n", 4, "--max-turns", 2, "--search-every", 100,
-                                 "--workdir", out / "grpo", "--out", out / "grpo.jsonl")],
+                                 "--workdir", out / "grpo", "--out", out / "grpo.jsonl",
+                                 # the trainer's defaults, which the bench pins to its earlier settings
+                                 "actor_rollout_ref.actor.entropy_coeff=0.001",
+                                 "actor_rollout_ref.rollout.top_p=0.95")],
              lambda: expect_rows(out / "grpo.jsonl", 1)),
         Part("dense-server", 1, [
             sh(PY, "-m", "search_r1.cli", "index", "build", "--corpus_path", corpus, "--out", dense,
