@@ -18,8 +18,9 @@ install:
 test: install
 	$(PYTHON) -m pytest -q tests
 
+# The unit tier: everything but the end-to-end tests (`-m e2e`), which `make test` runs too.
 test-fast:
-	$(PYTHON) -m pytest -q -x tests
+	$(PYTHON) -m pytest -q -x -m "not e2e" tests
 
 # The whole pipeline on the bundled model and task (CPU or GPU): index, server, evaluation,
 # SFT warm start, GRPO, evaluation, report.

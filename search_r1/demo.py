@@ -64,8 +64,9 @@ PRESETS = {
                    lr=5e-6, response_length=64),
     "small": Preset(eval_questions=2, sft_questions=8, sft_epochs=1, grpo_steps=1, grpo_prompts=2, grpo_n=2,
                     lr=5e-6, response_length=64),
-    # One GPU, ~10 minutes of GRPO (≈ 100 steps of 160 trajectories if a step takes ~6 s). The small
-    # SFT (0.67 EM on the CPU demo) leaves GRPO room to improve and enough right answers to learn from.
+    # One GPU, ~10 minutes of GRPO, on the order of 100 steps of 160 trajectories
+    # (benchmarks/RESULTS.md, "Learning curve"). The small SFT leaves GRPO room to improve and enough
+    # right answers to learn from.
     # lr 1e-5: the paper trains Qwen2.5-3B at 1e-6 for ~1,000 steps; Adam moves each weight by about
     # lr per step, so ~100 steps at 1e-5 give a 135M model the same total movement. 1,000 steps is a
     # ceiling (the time limit ends GRPO; the lr is constant, so the ceiling changes nothing else).

@@ -76,7 +76,8 @@ class EvalConfig:
     # vLLM only. continuous: a question's next turn joins the running batch as soon as its passages
     # arrive; sync: every turn waits for the batch's slowest. engine_core None: vLLM's scheduler in
     # a process of its own on a GPU (it is CPU-bound at this concurrency), in this one on CPU.
-    # 3B agent rollout, 1,024 trajectories, one H100: a core of its own gave 1.61x (benchmarks/RESULTS.md).
+    # A core of its own made the 3B agent rollout faster
+    # (benchmarks/RESULTS.md, "The engine core in its own process").
     schedule: str = "continuous"
     engine_core: str | None = None    # in_process | separate | None
     gpu_memory_utilization: float = 0.8

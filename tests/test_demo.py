@@ -14,6 +14,7 @@ from conftest import vllm_skip_reason
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(2400)
 def test_demo_small(tmp_path):
     if reason := vllm_skip_reason():

@@ -3,6 +3,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import infer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -15,6 +17,7 @@ def test_colourise_follows_tags_across_calls():
     assert infer.colourise("<answer>x</answer>", [""], False) == "<answer>x</answer>"
 
 
+@pytest.mark.e2e  # infer.py in processes of its own
 def test_infer_question_and_interactive(tiny_model_dir, dense_server):
     base = [sys.executable, str(ROOT / "infer.py"), "--model", tiny_model_dir, "--retriever-url",
             dense_server.url + "/retrieve", "--max-response-length", "48", "--no-colour"]

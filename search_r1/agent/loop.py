@@ -356,14 +356,43 @@ class SearchAgentLoop:
 
     def __init__(self, engine, max_turns: int = 4, max_response_length: int = 500,
                  max_obs_length: int = 500, retriever_url: str = "http://127.0.0.1:8000/retrieve",
-                 topk: int = 3, schedule: str = "sync", admit_every_steps: int = 8, **_ignored):
+                 topk: int = 3, schedule: str = "sync", admit_every_steps: int = 8,
+                 retriever_api_key: str | None = None, retriever_timeout_s: float = 30.0,
+                 retriever_connect_timeout_s: float = 5.0, retriever_retries: int = 5, **_ignored):
         from search_r1.retrieval.client import RetrieverConfig
         # The whole response may hold every turn's generation and observation.
         budget = (max_turns + 1) * max_response_length + max_turns * max_obs_length
         cfg = AgentConfig(max_turns=max_turns, max_response_length=budget, max_obs_length=max_obs_length,
                           topk=topk, schedule=Schedule(schedule), admit_every_steps=admit_every_steps)
-        self.agent = SearchAgent(engine, HTTPSearcher(RetrieverConfig(url=retriever_url, topk=topk)), cfg)
+        retriever = RetrieverConfig(url=retriever_url, topk=topk, api_key=retriever_api_key,
+                                    timeout_s=retriever_timeout_s, connect_timeout_s=retriever_connect_timeout_s,
+                                    retries=retriever_retries)
+        self.agent = SearchAgent(engine, HTTPSearcher(retriever), cfg)
         self.max_tokens_per_turn = max_response_length
+
+    @classmethod
+    def preflight(cls, retriever_url: str = "http://127.0.0.1:8000/retrieve", topk: int = 3,
+                  retriever_api_key: str | None = None, retriever_connect_timeout_s: float = 5.0,
+                  retriever_timeout_s: float = 30.0, **_ignored) -> None:
+        """One search before the trainer starts its workers: a retriever that is down, refuses the
+        key or answers in another shape stops the run here, with the URL and the error."""
+        from search_r1.retrieval.client import RetrievalClient, RetrievalError, RetrieverConfig
+        from verl.workers.rollout.single_turn import PreflightError
+        cfg = RetrieverConfig(url=retriever_url, topk=topk, api_key=retriever_api_key, retries=1,
+                              timeout_s=retriever_timeout_s, connect_timeout_s=retriever_connect_timeout_s)
+        try:
+            with RetrievalClient(cfg) as client:
+                hits = client.retrieve(["preflight check"], topk)
+                health = client.http.get(retriever_url.rsplit("/", 1)[0] + "/health")
+        except RetrievalError as e:
+            raise PreflightError(f"the retriever is not ready: {e}. Start it (`search-r1 serve …`, "
+                               "retrieval_launch.sh) or fix retriever.url / retriever.api_key") from None
+        if health.status_code == 503:  # e.g. a web engine that refuses the server's key
+            raise PreflightError(f"the retriever at {retriever_url} is unhealthy: "
+                                 f"{health.json().get('problems')}")
+        if not (isinstance(hits[0], list) and all("document" in h for h in hits[0])):
+            raise PreflightError(f"the retriever at {retriever_url} answered {str(hits)[:200]}: not the "
+                               "/retrieve layout ({'result': [[{'document': …, 'score': …}]]})")
 
     def run(self, prompts, sampling):
         sampling = replace(sampling, max_tokens=min(sampling.max_tokens, self.max_tokens_per_turn))

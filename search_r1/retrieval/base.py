@@ -50,6 +50,10 @@ class Retriever(ABC):
         """Cumulative counters shown by `/health` (e.g. seconds per phase). Default: none."""
         return {}
 
+    def health_problem(self) -> str | None:
+        """Why this retriever cannot answer now (an upstream that fails every call), or None."""
+        return None
+
     def warmup(self) -> None:
         """Pay one-time costs (CUDA context, kernel selection) before serving. Default: nothing."""
 

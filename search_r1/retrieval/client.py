@@ -3,6 +3,9 @@
 Connection errors, timeouts, 5xx and 429/503 are retried with exponential backoff and full
 jitter (a server's Retry-After is honoured as a lower bound); 4xx answers are the caller's
 fault and raise at once. After the last attempt a `RetrievalError` says what failed and where.
+A server that stopped answering (frozen, overloaded past its queue) accepts connections but never
+replies, so every attempt would wait the whole read timeout: after a timed-out attempt the client
+asks `/health` with the short connect timeout, and gives up at once if that goes unanswered too.
 Large batches are split into requests of at most `max_queries_per_request`.
 """
 from __future__ import annotations
@@ -25,7 +28,8 @@ class RetrievalError(RuntimeError):
 class RetrieverConfig:
     url: str = "http://127.0.0.1:8000/retrieve"
     topk: int = 3
-    timeout_s: float = 30.0
+    timeout_s: float = 30.0        # read timeout of one request (a batch of searches)
+    connect_timeout_s: float = 5.0  # connecting, and the health probe after a timed-out request
     retries: int = 5               # attempts after the first
     backoff_s: float = 0.2         # first backoff; doubles each attempt
     max_backoff_s: float = 5.0
@@ -50,6 +54,20 @@ def _parse(response: httpx.Response, n_queries: int) -> list[list[dict]]:
     return result
 
 
+def _timeout(cfg: RetrieverConfig) -> httpx.Timeout:
+    return httpx.Timeout(cfg.timeout_s, connect=cfg.connect_timeout_s)
+
+
+def _health_url(cfg: RetrieverConfig) -> str:
+    return cfg.url.rsplit("/", 1)[0] + "/health"
+
+
+def _unresponsive(cfg: RetrieverConfig, error: Exception) -> RetrievalError:
+    return RetrievalError(f"retrieval at {cfg.url} stopped answering: a request timed out after "
+                          f"{cfg.timeout_s:g} s ({type(error).__name__}) and {_health_url(cfg)} did not answer "
+                          f"within {cfg.connect_timeout_s:g} s; is the server alive (not stopped or frozen)?")
+
+
 def _error(cfg, attempts, last) -> RetrievalError:
     what = (f"HTTP {last.status_code}: {last.text[:200]}" if isinstance(last, httpx.Response)
             else f"{type(last).__name__}: {last}")
@@ -63,7 +81,7 @@ class RetrievalClient:
     def __init__(self, cfg: RetrieverConfig | None = None, **overrides):
         self.cfg = cfg or RetrieverConfig(**overrides)
         headers = {"Authorization": f"Bearer {self.cfg.api_key}"} if self.cfg.api_key else {}
-        self.http = httpx.Client(timeout=self.cfg.timeout_s, headers=headers,
+        self.http = httpx.Client(timeout=_timeout(self.cfg), headers=headers,
                                  limits=httpx.Limits(max_connections=64, max_keepalive_connections=64))
 
     def retrieve(self, queries: list[str], topk: int | None = None,
@@ -88,12 +106,20 @@ class RetrievalClient:
                 last = r
             except httpx.TransportError as e:
                 last = e
+                if isinstance(e, httpx.TimeoutException) and not self._answers():
+                    raise _unresponsive(self.cfg, e) from None
             if attempt < self.cfg.retries:
                 time.sleep(_delay(self.cfg, attempt, last if isinstance(last, httpx.Response) else None))
         raise _error(self.cfg, self.cfg.retries + 1, last)
 
+    def _answers(self) -> bool:
+        try:
+            return self.http.get(_health_url(self.cfg), timeout=self.cfg.connect_timeout_s).status_code == 200
+        except httpx.TransportError:
+            return False
+
     def health(self) -> dict:
-        return self.http.get(self.cfg.url.rsplit("/", 1)[0] + "/health").json()
+        return self.http.get(_health_url(self.cfg)).json()
 
     def close(self):
         self.http.close()
@@ -111,7 +137,7 @@ class AsyncRetrievalClient:
     def __init__(self, cfg: RetrieverConfig | None = None, **overrides):
         self.cfg = cfg or RetrieverConfig(**overrides)
         headers = {"Authorization": f"Bearer {self.cfg.api_key}"} if self.cfg.api_key else {}
-        self.http = httpx.AsyncClient(timeout=self.cfg.timeout_s, headers=headers,
+        self.http = httpx.AsyncClient(timeout=_timeout(self.cfg), headers=headers,
                                       limits=httpx.Limits(max_connections=256, max_keepalive_connections=256))
 
     async def retrieve(self, queries: list[str], topk: int | None = None,
@@ -135,9 +161,18 @@ class AsyncRetrievalClient:
                 last = r
             except httpx.TransportError as e:
                 last = e
+                if isinstance(e, httpx.TimeoutException) and not await self._answers():
+                    raise _unresponsive(self.cfg, e) from None
             if attempt < self.cfg.retries:
                 await asyncio.sleep(_delay(self.cfg, attempt, last if isinstance(last, httpx.Response) else None))
         raise _error(self.cfg, self.cfg.retries + 1, last)
+
+    async def _answers(self) -> bool:
+        try:
+            r = await self.http.get(_health_url(self.cfg), timeout=self.cfg.connect_timeout_s)
+            return r.status_code == 200
+        except httpx.TransportError:
+            return False
 
     async def aclose(self):
         await self.http.aclose()

@@ -165,7 +165,7 @@ class _MappedTable:
 
     def __init__(self, path: Path):
         # Rows are read at random positions: tell the kernel not to read ahead, or each
-        # lookup pulls ~100 KB of neighbours into the page cache (10 GB after 150k lookups).
+        # lookup pulls its neighbours into the page cache too, which then grows with every lookup.
         with open(path, "rb") as f:
             self._mmap = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         if hasattr(self._mmap, "madvise"):
@@ -217,7 +217,7 @@ class Corpus:
     def get_many(self, positions) -> list[Passage]:
         """Rows by position, in the given order; cost grows with len(positions), not the corpus."""
         # Element access touches only the pages of the rows asked for; a vectorised `take`
-        # touched megabytes per record batch (2 GB of page cache for 1,000 random rows).
+        # touched whole record batches, filling the page cache far beyond the rows asked for.
         ids, contents = self._ids.chunks, self._contents.chunks
         return [Passage(ids[c][j].as_py(), contents[c][j].as_py(), _extra(self._extras, c, j))
                 for c, j in self._rows.locate(positions)]

@@ -107,15 +107,15 @@ class Encoder:
     def tokenize(self, texts: list[str]) -> dict[str, torch.Tensor]:
         """The model's input tensors for a batch, padded to its longest text, cut at max_length.
 
-        Through the Rust tokenizer's `encode_batch` where the model has one: for 512 short queries
-        it took 2.9 ms (16 cores) where the transformers call took 11 ms, most of it turning every
-        encoding into Python lists (H200 node, benchmarks/RESULTS.md)."""
+        Through the Rust tokenizer's `encode_batch` where the model has one: it is faster than the
+        transformers call, which spends most of its time turning every encoding into Python lists
+        (benchmarks/RESULTS.md, "The query encoder")."""
         if self._rust is None:
             return dict(self.tokenizer(texts, padding=True, truncation=True, max_length=self.max_length,
                                        return_tensors="pt"))
         encodings = self._rust.encode_batch(texts)
         return {name: torch.from_numpy(np.array([getattr(e, RUST_FIELDS[name]) for e in encodings], dtype=np.int64))
-                for name in self.tokenizer.model_input_names if name in RUST_FIELDS}  # (torch.tensor of lists: 4x slower)
+                for name in self.tokenizer.model_input_names if name in RUST_FIELDS}  # (torch.tensor of lists: slower)
 
     def _rust_tokenizer(self):
         """A copy of the model's Rust tokenizer set to pad and cut as the transformers call does, or
@@ -176,7 +176,7 @@ class CudaGraphForward:
     """A batch's forward pass (token tensors → pooled vectors) replayed from CUDA graphs.
 
     One graph per (batch, length) bucket, both powers of two, captured the first time a batch of
-    that bucket comes (a few hundred ms each). A batch is copied into the bucket's fixed input
+    that bucket comes (a one-time cost per bucket). A batch is copied into the bucket's fixed input
     buffers: extra columns are padding (attention mask 0, so each row's vector is the same as with
     eager padding, up to rounding); extra rows get one visible token so that no softmax runs over a
     fully masked row, and their vectors are dropped. All graphs share one memory pool: they are

@@ -94,7 +94,8 @@ def _dense(a: RetrieverArgs) -> Retriever:
     family = a.retriever_model if any(f in a.retriever_model.lower() for f in ("e5", "bge", "dpr")) \
         else a.retriever_name
     device = (devices or [default_device()])[0]
-    # CUDA graphs: a batch of short queries encoded 1.2-4x faster on an H200, the whole server 1.38x
+    # CUDA graphs by default on a GPU: replaying the encoder's forward spares short queries most of
+    # its kernel-launch overhead, and the whole server serves more
     # (benchmarks/RESULTS.md, "The query encoder").
     graphs = device.startswith("cuda") if a.encoder_cuda_graphs is None else a.encoder_cuda_graphs
     encoder = Encoder(resolve_model(a.retriever_model), device=device, spec=EncoderSpec.for_model(family),

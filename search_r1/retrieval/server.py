@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import difflib
+import hmac
 import json
 import logging
 import os
@@ -77,9 +78,9 @@ class ServerConfig:
     max_pending: int = 16384        # queries queued before the server sheds load
     api_key: str | None = None
     switch_interval_s: float = 0.0005  # GIL hand-over; see serve()
-    # Two-stage retrievers: encode a batch while the last is searched. On an H100 over 21M passages
-    # it served 1.10-1.19x the queries/s at 256 clients and the same as one thread at 64-128; on
-    # two CPU cores the same as one thread (benchmarks/RESULTS.md, "Whole server").
+    # Two-stage retrievers: encode a batch while the last is searched. On by default: on a GPU it
+    # serves more queries/s than one thread under many concurrent clients and as many under fewer,
+    # and on CPU as many (benchmarks/RESULTS.md, "Whole server").
     pipeline: bool = True
 
 
@@ -128,6 +129,8 @@ class Metrics:
         self.search_time = Histogram("retrieval_search_seconds", "time of one search call", registry=r,
                                      buckets=(.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5))
         self.pending = Gauge("retrieval_pending_queries", "queries waiting in the queue", registry=r)
+        self.upstream_errors = Gauge("retrieval_upstream_errors",
+                                     "queries a web search engine did not answer (since start)", registry=r)
 
 
 class Batcher:
@@ -380,7 +383,9 @@ def create_app(retriever: Retriever, cfg: ServerConfig | None = None, name: str 
         yield
         batcher.stop()
 
-    app = FastAPI(title="Search-R1 retrieval", lifespan=lifespan)
+    # With a key, nothing but /health answers without it: the generated API docs are off.
+    docs = {} if not cfg.api_key else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    app = FastAPI(title="Search-R1 retrieval", lifespan=lifespan, **docs)
     app.state.batcher = batcher
 
     def error(status: int, message: str, **headers) -> JSONResponse:
@@ -394,7 +399,9 @@ def create_app(retriever: Retriever, cfg: ServerConfig | None = None, name: str 
         return Response(json.dumps(payload, ensure_ascii=False), media_type="application/json")
 
     def authorized(request: Request) -> bool:
-        return not cfg.api_key or request.headers.get("authorization") == f"Bearer {cfg.api_key}"
+        # compare_digest: the time taken does not tell how much of a guessed token was right
+        return not cfg.api_key or hmac.compare_digest(request.headers.get("authorization", "").encode(),
+                                                      f"Bearer {cfg.api_key}".encode())
 
     # Every error answers {"error": ...}, Starlette's own (unknown path, wrong method) included.
     @app.exception_handler(HTTPException)
@@ -454,12 +461,21 @@ def create_app(retriever: Retriever, cfg: ServerConfig | None = None, name: str 
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "retriever": name, "pending_queries": batcher.pending,
+        problems = ([] if batcher.alive() else ["the retrieval worker thread died; restart the server"])
+        if problem := retriever.health_problem():
+            problems.append(problem)
+        body = {"status": "unhealthy" if problems else "ok", "retriever": name, "pending_queries": batcher.pending,
                 "worker_alive": batcher.alive(), "pipelined": batcher.pipelined, "stats": retriever.stats(),
                 "pages": len(pages) if pages is not None else 0}
+        if problems:  # 503: load balancers and the trainer's start-up check read the status
+            return JSONResponse({**body, "problems": problems}, status_code=503)
+        return body
 
     @app.get("/metrics")
-    async def prometheus():
+    async def prometheus(request: Request):
+        if not authorized(request):
+            return error(401, "missing or wrong bearer token (Authorization: Bearer <api key>)")
+        metrics.upstream_errors.set(retriever.stats().get("upstream_errors", 0))
         return PlainTextResponse(generate_latest(metrics.registry).decode(),
                                  media_type="text/plain; version=0.0.4")
 
@@ -470,8 +486,8 @@ def parallel_tokenizers() -> None:
     """Let the Rust tokenizer use every core in this process (and the worker process it starts).
 
     A shell or training setup often exports TOKENIZERS_PARALLELISM=false (it silences a warning
-    about forking); in a server that never forks it only slows encoding: 512 queries took 17 ms
-    to tokenise instead of 3 ms on a 16-core node (benchmarks/RESULTS.md, "The query encoder")."""
+    about forking); in a server that never forks it only slows tokenising, a large part of
+    encoding a batch (benchmarks/RESULTS.md, "The query encoder")."""
     if os.environ.get("TOKENIZERS_PARALLELISM", "true").lower() not in ("1", "true", "yes", "on"):
         log.info("TOKENIZERS_PARALLELISM=%s ignored: the server tokenises queries in parallel",
                  os.environ["TOKENIZERS_PARALLELISM"])
@@ -484,8 +500,8 @@ def serve(retriever: Retriever, cfg: ServerConfig, host: str = "127.0.0.1", port
 
     app = create_app(retriever, cfg, name, pages)
     # The event loop (HTTP, JSON) and the worker (kernel launches) share the GIL. Under load the
-    # worker waited up to the default 5 ms switch interval for each hand-over, which made
-    # encoding several times slower; a shorter interval lets it in sooner.
+    # worker waited up to the default 5 ms switch interval for each hand-over, which slowed
+    # encoding down; a shorter interval lets it in sooner (benchmarks/RESULTS.md, "Whole server").
     sys.setswitchinterval(cfg.switch_interval_s)
     log.info("serving %s on http://%s:%d/retrieve", name, host, port)
     uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)

@@ -1,9 +1,10 @@
 """Block maxima of Q·Xᵀ in one fused Triton kernel (GPU only).
 
 The PyTorch path writes every score of a chunk to memory and reads it back to take the maximum
-of each block of 128 rows: 2·B·N·2 bytes of extra traffic, a third of the search time at batch
-512. Here each program computes a (queries × BN rows) tile of scores in registers and stores only
-the maximum of each 128-row block, so the search runs at close to the speed of the matmul itself.
+of each block of 128 rows: 2·B·N·2 bytes of extra traffic, a large share of the search time at
+large batches (benchmarks/RESULTS.md, "Exact dense search"). Here each program computes a
+(queries × BN rows) tile of scores in registers and stores only the maximum of each 128-row
+block, so the search runs at close to the speed of the matmul itself.
 """
 from __future__ import annotations
 
@@ -58,9 +59,10 @@ BUCKETS = (16, 64, 256, 1024)
 
 # The same block maxima with the tiles brought in by the Hopper tensor-memory accelerator (TMA)
 # and one program per SM walking over tiles (persistent). At batch ≥ 256 the search is bound by
-# the tensor cores, and the pointer kernel above reaches 0.86–0.88 of cuBLAS's matmul alone: its
-# loads go through registers and every tile pays its own pipeline start. TMA copies straight into
-# shared memory and the persistent loop lets the next tile's loads overlap this tile's epilogue.
+# the tensor cores, and the pointer kernel above stays below cuBLAS's matmul alone
+# (benchmarks/RESULTS.md, "The TMA kernel"): its loads go through registers and every tile pays
+# its own pipeline start. TMA copies straight into shared memory and the persistent loop lets the
+# next tile's loads overlap this tile's epilogue.
 @triton.autotune(
     configs=[triton.Config({"BM": bm, "BN": bn, "BK": bk}, num_warps=w, num_stages=s)
              for bm, bn, bk, w, s in [(128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (128, 128, 64, 8, 4),
@@ -107,8 +109,9 @@ def block_maxima(q_BD: torch.Tensor, x_ND: torch.Tensor, n_full: int, kernel: st
     """(B, n_full / 128) maxima of q·x over each block of 128 consecutive rows of x[:n_full].
 
     kernel: "pointer", "tma" (Hopper or newer: see tma_available), or "auto": tma for batches
-    above 64, where it measured 1.2–1.3× the pointer kernel on an H200; at 64 the two were within
-    ±6%, and below that the search reads the vectors once at close to full HBM bandwidth anyway."""
+    above 64, where it is the faster; at 64 the two are level, and below that the search is bound
+    by reading the vectors once, which the pointer kernel already does at close to full memory
+    bandwidth (benchmarks/RESULTS.md, "The TMA kernel")."""
     B, D = q_BD.shape
     assert n_full % BLOCK == 0 and D % 64 == 0 and x_ND.is_contiguous()
     q_BD = q_BD.contiguous()

@@ -99,6 +99,9 @@ class WebSearchRetriever(Retriever):
         self.max_topk = MAX_TOPK[self.engine]
         self.retries, self.backoff, self.max_backoff = retries, backoff, max_backoff
         self.errors = 0  # queries that got no answer, since construction
+        self.answered = 0  # queries the engine answered (cache hits not counted)
+        self.failing_in_a_row = 0
+        self.last_error: str | None = None
         self._errors_lock = threading.Lock()
         self._cache = _DiskCache(Path(cache_dir)) if cache_dir is not None else None
         self._client = httpx.Client(timeout=timeout,
@@ -116,6 +119,19 @@ class WebSearchRetriever(Retriever):
         answers = dict(zip(unique, self._pool.map(lambda q: self._search_one(q, topk), unique)))
         return [list(answers[q]) for q in queries]
 
+    def stats(self) -> dict:
+        return {"upstream_errors": self.errors, "upstream_answered": self.answered}
+
+    # An engine that refuses the key answers every query with an error, which the server can only
+    # pass on as empty hits: after this many failures in a row, /health says the server is unhealthy.
+    UNHEALTHY_AFTER = 3
+
+    def health_problem(self) -> str | None:
+        if self.failing_in_a_row >= self.UNHEALTHY_AFTER or (self.errors and not self.answered):
+            return (f"the last {self.failing_in_a_row} calls to {self.engine} failed "
+                    f"(last: {self.last_error})")
+        return None
+
     def close(self) -> None:
         self._pool.shutdown(wait=True)
         self._client.close()
@@ -130,9 +146,14 @@ class WebSearchRetriever(Retriever):
         except _QueryFailed as e:
             with self._errors_lock:
                 self.errors += 1
+                self.failing_in_a_row += 1
+                self.last_error = self._redact(str(e))
             log.warning("web search (%s) gave no answer for %r: %s", self.engine, query[:100],
                         self._redact(str(e)))
             return []
+        with self._errors_lock:
+            self.answered += 1
+            self.failing_in_a_row = 0
         if self._cache is not None:
             self._cache.put(self.engine, query, topk, hits)
         return hits

@@ -2,8 +2,8 @@
 
 In one process the server's event loop (HTTP, JSON) and its worker thread (tokenising, launching
 the encoder's kernels, the search) share one interpreter lock. Under load the worker waits for the
-lock before many of its hundreds of small kernel launches, so encoding ran several times slower
-than the GPU allows (RESULTS.md, "Whole server"). Here the retriever is built and called in a child
+lock before many of its hundreds of small kernel launches, so encoding ran well below what the
+GPU allows (benchmarks/RESULTS.md, "Whole server"). Here the retriever is built and called in a child
 process; the worker thread only sends queries down a pipe and waits, without the lock, for the hits.
 
 The child is started with `spawn` (a forked CUDA context is unusable) and loads the index itself.

@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 from conftest import free_port, vllm_skip_reason
 
+pytestmark = pytest.mark.e2e
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = ["bench_dense_search.py", "bench_corpus.py", "bench_server.py", "bench_cpu_indexes.py",
            "bench_grpo_step.py", "bench_actor_update.py", "bench_rollout.py", "bench_encoder.py"]
@@ -29,10 +31,59 @@ def test_quick(script, tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert rows, "no results written"
+    if script == "bench_dense_search.py":  # --quick: batches 1 and 16, three methods, the searches exact
+        assert sorted((row["batch"], row["method"]) for row in rows) == sorted(
+            (batch, method) for batch in (1, 16) for method in ("matmul", "chunked", "blockmax"))
+        assert all(row["ms"] > 0 and row["qps"] > 0 for row in rows)
+        assert all(row["recall"] == 1.0 for row in rows if row["method"] != "matmul")
+    if script == "bench_corpus.py":  # one row: the 20,000-row corpus converted, opened and read
+        (row,) = rows
+        assert row["rows"] == 20_000 and row["convert_s"] >= 0 and row["open_s"] >= 0
+        assert row["fetch_1536_rows_ms"] > 0
+    if script == "bench_server.py":  # --quick: 1 then 4 clients, every one answered
+        assert [row["clients"] for row in rows] == [1, 4]
+        assert all(row["n"] == 5000 and row["requests"] > 0 and row["qps"] > 0
+                   and 0 < row["p50_ms"] <= row["p99_ms"] for row in rows)
+    if script == "bench_cpu_indexes.py":  # every bench of the run, with figures that make sense
+        assert {row["bench"] for row in rows} == {"exact", "hnsw_build", "hnsw", "embed", "bm25_build", "bm25",
+                                                  "answer_recall", "retriever"}
+        assert len([row for row in rows if row["bench"] == "exact"]) == 3 * 3  # methods × batches
+        assert all(row["qps"] > 0 for row in rows if "qps" in row)
+        hnsw = [row for row in rows if row["bench"] == "hnsw"]
+        assert all(0 <= row["recall"] <= 1 for row in hnsw)
+        widest = max(row["ef_search"] for row in hnsw)
+        assert all(row["recall"] >= 0.95 for row in hnsw if row["ef_search"] == widest)
+        recall = {row["retriever"]: row["answer_recall"] for row in rows if row["bench"] == "answer_recall"}
+        assert len(recall) == 2 and all(r > 0.5 for r in recall.values()), recall  # BM25 and dense
     if script == "bench_grpo_step.py":  # --quick steers the random policy into searching (a logit bias)
         assert all(row["agent/searches"] > 0 and row["response/observation_tokens"] > 0 for row in rows)
+        assert [row["step"] for row in rows] == [1]
+        assert all(row["phases_s"][phase] > 0 for row in rows
+                   for phase in ("rollout", "old_log_probs", "ref_log_probs", "update_actor", "weight_sync", "step"))
+        assert all(row["throughput/generated_tokens_per_s"] > 0 and row["throughput/train_tokens_per_s"] > 0
+                   and row["grad_norm"] > 0 for row in rows)
+    if script == "bench_actor_update.py":  # --quick: both attentions, the same update
+        assert [row["attn"] for row in rows] == ["varlen", "sdpa"]
+        assert all("error" not in row and row["tokens_per_update"] > 0 and row["update_tokens_per_s"] > 0
+                   and row["logprob_tokens_per_s"] > 0 and row["grad_norm"] > 0 for row in rows)
+        assert rows[0]["grad_norm"] == pytest.approx(rows[1]["grad_norm"], rel=1e-3)
+    if script == "bench_rollout.py":  # each agent row with its baselines over the same tokens; HF always runs
+        assert all(row["model_tokens"] > 0 and row["tokens_per_s"] > 0 and row["wall_s"] > 0 for row in rows)
+        engines = {"hf"} if vllm_skip_reason() else {"hf", "vllm"}
+        assert {row["engine"] for row in rows} == engines
+        agents = [row for row in rows if row["mode"] == "agent"]
+        assert {(row["engine"], row["schedule"]) for row in agents} >= {("hf", "sync"), ("hf", "async")}
+        assert sum(row["retrieval_calls"] for row in agents) > 0  # the tag bias makes the agent search
+        for agent in agents:
+            same = [row for row in rows if row["mode"] != "agent"
+                    and all(row[k] == agent[k] for k in ("engine", "trajectories", "schedule"))]
+            assert {row["mode"] for row in same} >= {"plain", "plain_with_obs"}
+            assert all(row["model_tokens"] == agent["model_tokens"] for row in same)
+            assert agent["ratio_to_plain"] > 0
     if script == "bench_encoder.py":  # on CPU the eager encoder only, compared with itself
         assert all(row["mode"] == "eager" and row["min_cosine_to_eager"] > 0.9999 for row in rows)
+        assert [row["batch"] for row in rows] == [1, 8]
+        assert all(row["queries_per_s"] > 0 and row["padded_length"] > 0 for row in rows)
 
 
 def quick_server(tmp_path, flag: str):

@@ -101,6 +101,7 @@ def test_load_questions_limit_per_source(test_parquet):
     assert len(evaluate.load_questions([test_parquet, test_parquet], limit=6)) == 6  # per source
 
 
+@pytest.mark.e2e  # a whole evaluation per mode
 @pytest.mark.parametrize("mode", ["search", "no-search", "rag"])
 def test_eval_tiny_model_all_modes(mode, tiny_model_dir, test_parquet, bm25_server, tmp_path):
     cfg = EvalConfig(model=tiny_model_dir, data=[test_parquet], out=str(tmp_path), mode=mode, engine="hf",
@@ -222,6 +223,7 @@ def test_eval_from_training_checkpoint(tiny_model_dir, test_parquet, tmp_path):
     assert scores["n"] == 2
 
 
+@pytest.mark.e2e  # the script in a process of its own
 def test_evaluate_sh(tiny_model_dir, test_parquet, tmp_path):
     env = {**os.environ, "MODES": "no-search", "OUT": str(tmp_path / "out")}
     r = subprocess.run(["bash", str(ROOT / "scripts" / "evaluate.sh"), tiny_model_dir, test_parquet,
@@ -234,6 +236,7 @@ def test_evaluate_sh(tiny_model_dir, test_parquet, tmp_path):
     assert r.returncode == 2 and "usage" in r.stderr
 
 
+@pytest.mark.e2e  # a vLLM engine
 def test_eval_vllm_continuous_with_its_own_core_matches_sync(tiny_model_dir, test_parquet, bm25_server, tmp_path):
     """vLLM with the default schedule (continuous) and the engine core in a child process gives the
     greedy responses of the sync schedule with the core in this process, and the child ends cleanly.

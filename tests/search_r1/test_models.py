@@ -20,6 +20,7 @@ def smollm2(smollm2_dir):
     return smollm2_dir
 
 
+@pytest.mark.e2e  # three models, each from the GGUF tokenizer
 def test_tiny_model_is_deterministic_and_loads(tmp_path):
     first = make_tiny_model(tmp_path / "a", seed=0)  # tokenizer from the bundled GGUF
     again = make_tiny_model(tmp_path / "b", tokenizer_from=first, seed=0)
@@ -42,6 +43,7 @@ def test_tiny_model_rejects_head_size_vllm_cannot_run(tmp_path):
         make_tiny_model(tmp_path / "m", hidden=64, heads=4, kv_heads=1)
 
 
+@pytest.mark.e2e  # converts the 135M model
 def test_materialize_smollm2_is_plain_and_idempotent(smollm2):
     config = json.loads((Path(smollm2) / "config.json").read_text())
     assert "quantization_config" not in config
@@ -52,6 +54,7 @@ def test_materialize_smollm2_is_plain_and_idempotent(smollm2):
     assert (Path(smollm2) / "model.safetensors").stat().st_mtime_ns == written  # not converted again
 
 
+@pytest.mark.e2e  # a vLLM engine
 def test_smollm2_answers_alike_in_transformers_and_vllm(smollm2):
     hf = HFEngine(smollm2)
     tok = hf.tokenizer

@@ -117,6 +117,7 @@ def test_masked_nll_matches_naive_loop(bundled, tiny_model_dir, tokenizer):
     assert nll.item() / n == pytest.approx(naive / count, rel=1e-4)
 
 
+@pytest.mark.e2e  # a training run
 def test_short_run_learns_saves_and_is_deterministic(bundled, tiny_model_dir, tokenizer, tmp_path):
     from transformers import AutoModelForCausalLM
 
@@ -175,6 +176,7 @@ def test_test_split_questions_are_refused(tokenizer, tiny_model_dir, tmp_path):
     assert not (tmp_path / "out" / "model.safetensors").exists()
 
 
+@pytest.mark.e2e  # the CLI in a process of its own
 def test_cli_bundled(bm25_url, tiny_model_dir, tmp_path):
     parser = argparse.ArgumentParser()
     add_parser(parser.add_subparsers(dest="cmd"))

@@ -42,9 +42,9 @@ def rendezvous() -> tuple[str, int]:
 
 def separate_engine_core(rollout, device: str) -> bool:
     """Whether vLLM's engine core gets a process of its own (rollout.engine_core; auto: on a GPU).
-    There it keeps vLLM's CPU-bound scheduler away from the agent loop's Python (3B on one H100:
-    rollout 1.6x at 1,024 trajectories, GRPO step 1.04x; benchmarks/RESULTS.md). On CPU its busy
-    loop would take a core from the trainer."""
+    There it keeps vLLM's CPU-bound scheduler away from the agent loop's Python, which made 3B
+    rollouts and GRPO steps faster (benchmarks/RESULTS.md, "The engine core in its own process").
+    On CPU its busy loop would take a core from the trainer."""
     if rollout.engine_core not in ("auto", "in_process", "separate"):
         raise ValueError(f"actor_rollout_ref.rollout.engine_core={rollout.engine_core!r}: use auto, in_process "
                          "or separate")
@@ -99,6 +99,17 @@ def _warmup_steps(optim, total_steps: int) -> int:
     return int(optim.lr_warmup_steps_ratio * total_steps)
 
 
+def agent_loop_kwargs(cfg: TrainerConfig, device: str) -> dict:
+    """The agent loop's settings (beside the engine), for the workers and the driver's preflight."""
+    r = cfg.retriever
+    return dict(max_turns=cfg.max_turns, max_response_length=cfg.data.max_response_length,
+                max_obs_length=cfg.data.max_obs_length, retriever_url=r.url, topk=r.topk,
+                schedule=agent_schedule(cfg.actor_rollout_ref.rollout, device),
+                admit_every_steps=cfg.actor_rollout_ref.rollout.admit_every_steps,
+                retriever_api_key=r.api_key, retriever_timeout_s=r.timeout_s,
+                retriever_connect_timeout_s=r.connect_timeout_s, retriever_retries=r.retries)
+
+
 class PolicyWorker:
     def __init__(self, rank: int, cfg: TrainerConfig, sizes: Sizes, total_steps: int, device: str):
         self.rank, self.cfg, self.sizes, self.total_steps, self.device = rank, cfg, sizes, total_steps, device
@@ -135,11 +146,7 @@ class PolicyWorker:
         else:
             raise ValueError(f"actor_rollout_ref.rollout.name={rollout.name!r}: use vllm or hf")
         self.tokenizer = self.engine.tokenizer
-        self.agent = load_agent_loop(rollout.agent_loop)(
-            self.engine, max_turns=cfg.max_turns, max_response_length=cfg.data.max_response_length,
-            max_obs_length=cfg.data.max_obs_length, retriever_url=cfg.retriever.url,
-            topk=cfg.retriever.topk, schedule=agent_schedule(rollout, self.device),
-            admit_every_steps=rollout.admit_every_steps)
+        self.agent = load_agent_loop(rollout.agent_loop)(self.engine, **agent_loop_kwargs(cfg, self.device))
         a = arr.actor
         self.actor = Actor(
             path, lr=a.optim.lr, weight_decay=a.optim.weight_decay, betas=tuple(a.optim.betas),

@@ -13,11 +13,22 @@ Layout of one checkpoint (all ranks write into the same directory: a shared file
         <name>/scheduler.pt      its LR scheduler state (absent if saved without one)
         trainer_state.json       {"step", "world_size", "models", "trainer": what the trainer passed}
         rng/rank_<r>.pt          python, numpy, torch CPU (and CUDA) RNG states of rank r
+        manifest.json            size and sha256 of every other file, written last
     <root>/latest                text file with the step of the newest complete checkpoint
 
 A checkpoint is written into `global_step_<N>.tmp` and renamed only when every rank has finished, so
 a crash never leaves a directory that looks complete. Model and optimizer state are resharded by DCP
 when resuming at another world size; RNG states are then skipped with a warning.
+
+Faults never pass silently. A shard that changed on disk (a flipped exponent bit loads as a huge
+but finite weight, and DCP does not notice) fails its checksum on load: `CheckpointCorrupt` names the file, and
+the trainer falls back to the previous checkpoint. A state with a nan or inf is refused before
+anything is written. Free space is checked against the last checkpoint's size (or the state's bytes
+for the first) before writing, and a save that fails for any reason removes its partial directory.
+Older checkpoints are deleted only once the new one is complete with its manifest, so rotation
+never deletes the newest checkpoint that verified. Checks that one rank could fail alone (a shard of
+nan, a full local disk, a corrupted file) are agreed on by every rank, so that all raise together
+instead of leaving the others waiting in a collective.
 
 Export: `python -m verl.trainer.checkpoint export --checkpoint DIR --model actor
 --config-source ORIGINAL_MODEL_DIR --out OUT [--dtype bfloat16]`.
@@ -26,14 +37,17 @@ Export: `python -m verl.trainer.checkpoint export --checkpoint DIR --model actor
 from __future__ import annotations
 
 import argparse
+import errno
+import hashlib
 import json
 import logging
 import os
 import random
 import re
 import shutil
+import traceback
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -42,9 +56,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict, get_state_dict, set_model_state_dict, set_state_dict)
+from torch.distributed.tensor import DTensor
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +68,10 @@ logger = logging.getLogger(__name__)
 ModelParts = tuple[torch.nn.Module, torch.optim.Optimizer | None, torch.optim.lr_scheduler.LRScheduler | None]
 
 _STEP_DIR = re.compile(r"^global_step_(\d+)$")
+MANIFEST = "manifest.json"
+# Free space below which a failed write is put down to a full disk even when the error does not say
+# so: torch's zip writer reports ENOSPC as "unexpected pos N vs M".
+_NEARLY_FULL_BYTES = 64 << 20
 # Files of the original model directory that hold weights: everything else (config, tokenizer, chat
 # template, generation config, custom code) is copied into the export.
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack", ".index.json")
@@ -59,6 +79,18 @@ _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h
 # checkpointing). get_state_dict already removes them; we strip them again in case a checkpoint was
 # written from a state dict taken another way.
 _WRAPPER_SEGMENTS = ("_orig_mod.", "_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
+
+
+class CheckpointCorrupt(RuntimeError):
+    """A file of a checkpoint is missing or differs from what its manifest recorded when it was saved.
+    Plain constructor arguments, so that it pickles through Ray and all_gather_object."""
+
+    def __init__(self, checkpoint: str, file: str, reason: str):
+        super().__init__(checkpoint, file, reason)
+        self.checkpoint, self.file, self.reason = checkpoint, file, reason
+
+    def __str__(self) -> str:
+        return f"checkpoint {self.checkpoint} is corrupted: {self.file} {self.reason}"
 
 
 def checkpoint_dir(root: str | os.PathLike, step: int) -> str:
@@ -81,6 +113,9 @@ def save_checkpoint(
     `keep_last` checkpoints (None or 0: keep all), never deleting the one just written.
     Save after the first optimizer step: torch's get_state_dict fills an empty optimizer state by
     taking a step with zero learning rate, which would shift Adam's step count.
+    Raises, on every rank and with nothing written, when a weight or optimizer value is not finite
+    or the file system lacks the room (OSError ENOSPC); a save that fails part-way removes its
+    partial directory. Older checkpoints are untouched in all these cases.
     """
     if keep_last is not None and keep_last < 0:
         raise ValueError(f"keep_last={keep_last}: give the number of checkpoints to keep, or 0/None to keep all")
@@ -93,6 +128,12 @@ def save_checkpoint(
         raise TypeError(f"trainer_state must be JSON-serialisable (plain numbers, strings, lists, dicts): {error}")
     rng_state = _rng_state()  # first, so that nothing done while saving changes what is saved
 
+    with _single_process_quiet():
+        state_dicts = {name: (get_model_state_dict(model), None) if optimizer is None
+                       else get_state_dict(model, optimizer)
+                       for name, (model, optimizer, _) in models.items()}
+    _refuse_non_finite(state_dicts, root, step)
+
     final = checkpoint_dir(root, step)
     tmp = final + ".tmp"
     if rank == 0:
@@ -100,38 +141,33 @@ def save_checkpoint(
         for leftover in Path(root).glob("global_step_*.tmp"):  # from a crash; only one save runs at a time
             shutil.rmtree(leftover)
     _barrier()
+    need, free = _check_free_space(root, state_dicts)
 
-    with _single_process_quiet():
-        for name, (model, optimizer, scheduler) in models.items():
-            if optimizer is None:
-                model_sd, optim_sd = get_model_state_dict(model), None
-            else:
-                model_sd, optim_sd = get_state_dict(model, optimizer)
-            dcp.save(model_sd, checkpoint_id=os.path.join(tmp, name, "model"), no_dist=not _distributed())
-            if optim_sd is not None:
-                dcp.save(optim_sd, checkpoint_id=os.path.join(tmp, name, "optimizer"), no_dist=not _distributed())
-            if scheduler is not None and rank == 0:
-                _save_file(scheduler.state_dict(), os.path.join(tmp, name, "scheduler.pt"))
+    try:
+        _write_files(tmp, state_dicts, models, rng_state, state_json)
+        _write_manifest(tmp, step)
+    except BaseException as error:
+        try:
+            free_now = _free_bytes(root)  # before the cleanup gives the space back
+        except OSError:
+            free_now = free
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(error, (KeyboardInterrupt, SystemExit)):
+            raise
+        if _out_of_space(error, free_now):
+            raise OSError(errno.ENOSPC, f"{_no_space(root, need, free)}: the disk filled up while writing step "
+                                        f"{step} ({_last_line(error)}). {_NO_SPACE_ADVICE}") from error
+        raise RuntimeError(f"Saving checkpoint step {step} under {root} failed: {error}. Its partial directory "
+                           f"was removed; older checkpoints are untouched.") from error
 
-    os.makedirs(os.path.join(tmp, "rng"), exist_ok=True)
-    _save_file(rng_state, os.path.join(tmp, "rng", f"rank_{rank}.pt"))
+    error = None
     if rank == 0:
-        _write_text(os.path.join(tmp, "trainer_state.json"), state_json)
-    _barrier()  # every rank's files are on disk
-
-    if rank == 0:
-        replaced = f"{final}.old.tmp"  # saving a step again, after resuming from an earlier one
-        if os.path.isdir(final):
-            os.replace(final, replaced)  # a crash from here on leaves only a `.tmp` behind
-        os.replace(tmp, final)
-        shutil.rmtree(replaced, ignore_errors=True)
-        _write_text(os.path.join(root, "latest"), f"{step}\n", atomic=True)
-        if keep_last:
-            older = [s for s in _complete_steps(root) if s != step]
-            for old in older[: max(0, len(older) - (keep_last - 1))]:
-                shutil.rmtree(checkpoint_dir(root, old))
-        logger.info("Saved checkpoint %s", final)
-    _barrier()  # nobody goes on (or loads) before the checkpoint has its final name
+        try:
+            _publish(root, step, tmp, final, keep_last)
+        except Exception as caught:
+            error = caught
+    _agree(error, "publishing the checkpoint")  # nobody goes on (or loads) before it has its final name
     return final
 
 
@@ -145,19 +181,62 @@ def latest_step(root: str | os.PathLike) -> int | None:
     except (FileNotFoundError, ValueError):
         pass
     # No (valid) `latest` file, e.g. a copied directory: any renamed step directory is complete.
-    steps = _complete_steps(root)
+    steps = complete_steps(root)
     return steps[-1] if steps else None
+
+
+def resume_steps(root: str | os.PathLike) -> list[int]:
+    """Steps to resume from, in order of preference: the newest complete checkpoint (the one
+    `latest` names), then every older one, the fallbacks when a checkpoint fails verification."""
+    newest = latest_step(root)
+    return [] if newest is None else [s for s in reversed(complete_steps(root)) if s <= newest]
+
+
+def complete_steps(root: str | os.PathLike) -> list[int]:
+    """Steps of the renamed (complete) checkpoint directories under `root`, ascending."""
+    if not os.path.isdir(root):
+        return []
+    return sorted(int(m.group(1)) for entry in os.listdir(root)
+                  if (m := _STEP_DIR.match(entry)) and os.path.isdir(os.path.join(root, entry)))
+
+
+def verify_checkpoint(ckpt: str | os.PathLike) -> bool:
+    """Check every file of the checkpoint directory `ckpt` against the size and sha256 its manifest
+    recorded when it was saved; raise CheckpointCorrupt naming the first file that differs or is
+    missing. Returns False, with a warning, for a checkpoint written before manifests existed.
+    With a process group, call on every rank: each checks a share of the files."""
+    listed, error = None, None
+    try:
+        listed = _read_manifest(ckpt)
+        if listed is not None:
+            for rel in sorted(listed)[_rank()::_world_size()]:
+                _check_file(ckpt, rel, listed[rel])
+    except CheckpointCorrupt as caught:
+        error = caught
+    failures = [e for e in _gather(error) if e is not None]
+    if failures:
+        raise failures[0]
+    if listed is None:
+        warnings.warn(f"Checkpoint {ckpt} has no {MANIFEST} (written before checksums were added): loading it "
+                      f"without verification")
+        return False
+    return True
 
 
 def load_checkpoint(root: str | os.PathLike, step: int, models: Mapping[str, ModelParts]) -> dict[str, Any]:
     """Restore models, optimizers and schedulers in place, and this rank's RNG states; returns the
     trainer state given to `save_checkpoint`. Call on every rank. Optimizers and schedulers may be
-    None to load weights only."""
+    None to load weights only. Every file is checked against the manifest first (`verify_checkpoint`):
+    a corrupted checkpoint raises CheckpointCorrupt before anything is read into the models."""
     ckpt = checkpoint_dir(root, step)
     state_file = os.path.join(ckpt, "trainer_state.json")
-    if not os.path.isfile(state_file):
-        found = _complete_steps(root)
+    if not os.path.isdir(ckpt):
+        found = complete_steps(root)
         raise FileNotFoundError(f"No checkpoint at {ckpt}; complete checkpoints under {root}: steps {found}")
+    verified = verify_checkpoint(ckpt)
+    if not os.path.isfile(state_file):
+        raise FileNotFoundError(f"Checkpoint {ckpt} has no trainer_state.json: it is incomplete; complete "
+                                f"checkpoints under {root}: steps {complete_steps(root)}")
     saved = json.loads(Path(state_file).read_text())
     saved_world_size, world_size = saved["world_size"], _world_size()
 
@@ -181,10 +260,12 @@ def load_checkpoint(root: str | os.PathLike, step: int, models: Mapping[str, Mod
                     dcp.load(model_sd, checkpoint_id=os.path.join(ckpt, name, "model"), no_dist=not _distributed())
                     dcp.load(optim_sd, checkpoint_id=optim_dir, no_dist=not _distributed())
                     set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
-        except Exception as error:
+        # DCP's CheckpointException derives from BaseException, not Exception: name it, or it escapes.
+        except (Exception, CheckpointException) as error:
             raise RuntimeError(
                 f"Could not load {name!r} from {ckpt} (saved at world size {saved_world_size}, now {world_size}): "
-                f"{error}. The model (and optimizer) must be built exactly as when saving.") from error
+                f"{error}. The model (and optimizer) must be built exactly as when saving"
+                f"{'' if verified else f'; {ckpt} has no {MANIFEST}, so a damaged file is also possible'}.") from error
         if scheduler is not None:
             sched_file = os.path.join(ckpt, name, "scheduler.pt")
             if not os.path.isfile(sched_file):
@@ -199,6 +280,195 @@ def load_checkpoint(root: str | os.PathLike, step: int, models: Mapping[str, Mod
                       f"and dropout will not repeat the original run exactly.")
     logger.info("Loaded checkpoint %s", ckpt)
     return saved["trainer"]
+
+
+# ---------------------------------------------------------------- the parts of a save
+
+def _refuse_non_finite(state_dicts: dict, root: str | os.PathLike, step: int) -> None:
+    """A nan or inf saved would be resumed from, and rotation would delete the good checkpoints
+    behind it. Every rank checks its own shards; all raise if any rank found one."""
+    bad = sorted({name for names in _gather(_non_finite_tensors(state_dicts)) for name in names})
+    if bad:
+        raise RuntimeError(
+            f"Refusing to save checkpoint step {step}: not finite (nan or inf) in {len(bad)} tensor(s), e.g. "
+            f"{', '.join(bad[:3])}. Nothing was written and the checkpoints under {root} are untouched: resume "
+            f"from the newest of them once the cause (learning rate, data, a corrupted resume) is found.")
+
+
+def _non_finite_tensors(state_dicts: dict) -> list[str]:
+    # Every check is queued before any is read, so that a GPU waits once, not once per tensor.
+    checks = [(f"{name} {part} {key}", torch.isfinite(_local(tensor)).all())
+              for name, (model_sd, optim_sd) in state_dicts.items()
+              for part, state in (("weights", model_sd), ("optimizer state", optim_sd or {}))
+              for key, tensor in _tensors(state) if tensor.is_floating_point()]
+    return [label for label, finite in checks if not finite]
+
+
+def _tensors(tree: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
+    """(dotted key, tensor) of every tensor in a nested state dict."""
+    if isinstance(tree, torch.Tensor):
+        yield prefix, tree
+    elif isinstance(tree, Mapping):
+        for key, value in tree.items():
+            yield from _tensors(value, f"{prefix}.{key}" if prefix else str(key))
+    elif isinstance(tree, (list, tuple)):
+        for i, value in enumerate(tree):
+            yield from _tensors(value, f"{prefix}.{i}" if prefix else str(i))
+
+
+_NO_SPACE_ADVICE = ("Free space there, keep fewer checkpoints (trainer.keep_last_checkpoints: older ones are deleted "
+                    "only after a new one is complete, so one more must fit), or save to a larger disk "
+                    "(trainer.default_local_dir); the checkpoints already there are untouched")
+
+
+def _check_free_space(root: str | os.PathLike, state_dicts: dict) -> tuple[int, int]:
+    """Raise OSError(ENOSPC) on every rank unless the file system of `root` has room for the new
+    checkpoint: as much as the last one took, or for the first the state's bytes over all ranks.
+    Old checkpoints are deleted only after the new one is complete, so this room comes on top.
+    Returns (bytes needed, bytes free)."""
+    local_bytes = sum(_local(t).numel() * _local(t).element_size()
+                      for model_sd, optim_sd in state_dicts.values() for _, t in _tensors([model_sd, optim_sd]))
+    reports = _gather((local_bytes, _free_bytes(root), _last_checkpoint_bytes(root) if _rank() == 0 else None))
+    last = reports[0][2]  # every rank decides from the same numbers
+    need = last if last is not None else sum(r[0] for r in reports)
+    free = min(r[1] for r in reports)
+    if free < need:
+        raise OSError(errno.ENOSPC, f"{_no_space(root, need, free)}: nothing was written. {_NO_SPACE_ADVICE}")
+    return need, free
+
+
+def _no_space(root: str | os.PathLike, need: int, free: int) -> str:
+    return (f"no space left on {_mount_point(root)} (needs ~{_size(need)}, {_size(free)} free) "
+            f"for a checkpoint in {root}")
+
+
+def _last_checkpoint_bytes(root: str | os.PathLike) -> int | None:
+    steps = complete_steps(root)
+    if not steps:
+        return None
+    ckpt = checkpoint_dir(root, steps[-1])
+    try:
+        listed = _read_manifest(ckpt)
+    except CheckpointCorrupt:
+        listed = None
+    if listed is not None:
+        return sum(entry["bytes"] for entry in listed.values())
+    return sum(p.stat().st_size for p in Path(ckpt).rglob("*") if p.is_file())
+
+
+def _write_files(tmp: str, state_dicts: dict, models: Mapping[str, ModelParts], rng_state: dict,
+                 state_json: str) -> None:
+    rank = _rank()
+    with _single_process_quiet():
+        for name, (model_sd, optim_sd) in state_dicts.items():
+            # Collective: when a rank's write fails, DCP raises on every rank.
+            dcp.save(model_sd, checkpoint_id=os.path.join(tmp, name, "model"), no_dist=not _distributed())
+            if optim_sd is not None:
+                dcp.save(optim_sd, checkpoint_id=os.path.join(tmp, name, "optimizer"), no_dist=not _distributed())
+    error = None
+    try:
+        for name, (_, _, scheduler) in models.items():
+            if scheduler is not None and rank == 0:
+                _save_file(scheduler.state_dict(), os.path.join(tmp, name, "scheduler.pt"))
+        _save_file(rng_state, os.path.join(tmp, "rng", f"rank_{rank}.pt"))
+        if rank == 0:
+            _write_text(os.path.join(tmp, "trainer_state.json"), state_json)
+    except Exception as caught:
+        error = caught
+    _agree(error, "writing the checkpoint")  # and every rank's files are on disk
+
+
+def _write_manifest(tmp: str, step: int) -> None:
+    """Hash every file of the finished directory, each rank a share, and write the manifest last and
+    atomically: a directory with a manifest is complete."""
+    files, error = [], None
+    if _rank() == 0:
+        try:
+            files = _files_of(tmp)
+        except OSError as caught:
+            error = caught
+    _agree(error, "listing the checkpoint's files")
+    files = _gather(files)[0]
+    hashed = {}
+    try:
+        for rel in files[_rank()::_world_size()]:
+            path = os.path.join(tmp, rel)
+            hashed[rel] = {"bytes": os.path.getsize(path), "sha256": _sha256(path)}
+    except OSError as caught:
+        error = caught
+    parts = _gather(hashed)
+    _agree(error, "checksumming the checkpoint (its directory must be on a file system every rank shares)")
+    error = None
+    if _rank() == 0:
+        manifest = {"step": step, "files": {rel: entry for part in parts for rel, entry in sorted(part.items())}}
+        try:
+            _write_text(os.path.join(tmp, MANIFEST), json.dumps(manifest, indent=1, sort_keys=True), atomic=True)
+        except OSError as caught:
+            error = caught
+    _agree(error, f"writing {MANIFEST}")
+
+
+def _publish(root: str | os.PathLike, step: int, tmp: str, final: str, keep_last: int | None) -> None:
+    """Rank 0: give the checkpoint its final name, point `latest` at it, delete the oldest."""
+    replaced = f"{final}.old.tmp"  # saving a step again, after resuming from an earlier one
+    if os.path.isdir(final):
+        os.replace(final, replaced)  # a crash from here on leaves only a `.tmp` behind
+    os.replace(tmp, final)
+    shutil.rmtree(replaced, ignore_errors=True)
+    _write_text(os.path.join(root, "latest"), f"{step}\n", atomic=True)
+    if keep_last:
+        # Only reached once this checkpoint is complete, finite and checksummed: a refused or failed
+        # save returns before, so the newest checkpoint that verified is never deleted.
+        older = [s for s in complete_steps(root) if s != step]
+        for old in older[: max(0, len(older) - (keep_last - 1))]:
+            shutil.rmtree(checkpoint_dir(root, old))
+    logger.info("Saved checkpoint %s", final)
+
+
+def _out_of_space(error: BaseException, free_now: int) -> bool:
+    """Whether a failed save is the disk's fault: ENOSPC anywhere in the error (DCP's
+    CheckpointException carries each rank's failure as text), or a file system left (nearly) full."""
+    text = "".join(traceback.format_exception(error))
+    return os.strerror(errno.ENOSPC) in text or f"[Errno {errno.ENOSPC}]" in text or free_now < _NEARLY_FULL_BYTES
+
+
+# ---------------------------------------------------------------- manifests
+
+def _read_manifest(ckpt: str | os.PathLike) -> dict[str, dict] | None:
+    """{relative path: {"bytes", "sha256"}}, or None when the checkpoint has no manifest."""
+    path = os.path.join(ckpt, MANIFEST)
+    try:
+        return json.loads(Path(path).read_text())["files"]
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise CheckpointCorrupt(str(ckpt), path, f"cannot be read ({error})") from None
+
+
+def _check_file(ckpt: str | os.PathLike, rel: str, entry: dict) -> None:
+    path = os.path.join(ckpt, rel)
+    try:
+        size = os.path.getsize(path)
+        if size != entry["bytes"]:
+            raise CheckpointCorrupt(str(ckpt), path, f"has {size} bytes where {MANIFEST} recorded {entry['bytes']} "
+                                                     f"(a partial write or copy)")
+        if _sha256(path) != entry["sha256"]:
+            raise CheckpointCorrupt(str(ckpt), path, f"does not match its sha256 checksum in {MANIFEST} (it changed "
+                                                     f"on disk or in a copy after it was saved)")
+    except FileNotFoundError:
+        raise CheckpointCorrupt(str(ckpt), path, f"is missing (listed in {MANIFEST})") from None
+    except OSError as error:
+        raise CheckpointCorrupt(str(ckpt), path, f"cannot be read ({error})") from None
+
+
+def _files_of(directory: str | os.PathLike) -> list[str]:
+    return sorted(str(p.relative_to(directory)) for p in Path(directory).rglob("*")
+                  if p.is_file() and p.name != MANIFEST)
+
+
+def _sha256(path: str | os.PathLike) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 # ---------------------------------------------------------------- export to Hugging Face
@@ -337,19 +607,61 @@ def _barrier() -> None:
         dist.barrier()
 
 
+def _gather(obj: Any) -> list[Any]:
+    """`obj` of every rank, in rank order (a list of one without a process group)."""
+    if not _distributed():
+        return [obj]
+    out = [None] * _world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _agree(error: BaseException | None, what: str) -> None:
+    """Raise on every rank if any rank failed `what` (and wait for all ranks otherwise): a rank
+    that raised alone would leave the others waiting forever in the next collective."""
+    failures = [f for f in _gather(None if error is None else f"rank {_rank()}: {error!r}") if f]
+    if error is not None:
+        raise error
+    if failures:
+        raise RuntimeError(f"{what} failed on {failures[0]}")
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _free_bytes(root: str | os.PathLike) -> int:
+    path = Path(root)
+    while not path.exists() and path != path.parent:  # the root itself may not exist yet
+        path = path.parent
+    return shutil.disk_usage(path).free
+
+
+def _mount_point(root: str | os.PathLike) -> str:
+    path = Path(os.path.realpath(root))
+    while not path.exists() or (not os.path.ismount(path) and path != path.parent):
+        path = path.parent
+    return str(path)
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n / 1e3:.1f} kB"
+
+
+def _last_line(error: BaseException) -> str:
+    lines = [line for line in str(error).strip().splitlines() if line.strip()]
+    return lines[-1].strip() if lines else type(error).__name__
+
+
 @contextmanager
 def _single_process_quiet():
     # DCP warns on every call without a process group, even when told so with no_dist=True.
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
         yield
-
-
-def _complete_steps(root: str | os.PathLike) -> list[int]:
-    if not os.path.isdir(root):
-        return []
-    return sorted(int(m.group(1)) for entry in os.listdir(root)
-                  if (m := _STEP_DIR.match(entry)) and os.path.isdir(os.path.join(root, entry)))
 
 
 def _resolve_checkpoint(path: str | os.PathLike) -> str:

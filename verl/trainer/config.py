@@ -1,4 +1,9 @@
-"""Typed trainer configuration: configs/ppo_trainer.yaml checked against these dataclasses.
+"""Typed trainer configuration: the one source of every trainer key, its default and its help.
+
+configs/ppo_trainer.yaml (Hydra's primary config) is generated from these dataclasses:
+`python -m verl.trainer.config --write configs/ppo_trainer.yaml` after changing a field, its default
+or its help; tests/verl/trainer/test_config_yaml.py fails while the two differ. Every field carries
+its help (unit and meaning) in `metadata["help"]`, written next to the key in the YAML.
 
 Unknown keys and wrong types fail at load time (OmegaConf structured merge), and so do values out
 of range (`_check_ranges`); batch sizes are checked against each other once, in `derive_sizes`, with
@@ -6,8 +11,13 @@ errors that name the keys to change.
 """
 from __future__ import annotations
 
+import argparse
+import dataclasses
+import os
+import sys
+import textwrap
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from omegaconf import MISSING, OmegaConf
 
@@ -16,111 +26,174 @@ class ConfigError(ValueError):
     pass
 
 
+def key(default: Any, help: str) -> Any:
+    """A config field: its default and its help (unit and meaning), written into the YAML."""
+    return field(default=default, metadata={"help": help})
+
+
+def key_factory(factory: Callable[[], Any], help: str) -> Any:
+    """A config field whose default is built per instance (nested configs, lists, dicts)."""
+    return field(default_factory=factory, metadata={"help": help})
+
+
 @dataclass
 class DataConfig:
-    train_files: Any = MISSING
-    val_files: Any = None
-    train_data_num: int | None = None
-    val_data_num: int | None = None
-    train_batch_size: int = 512
-    val_batch_size: int = 256
-    max_prompt_length: int = 4096
-    max_response_length: int = 500
-    max_obs_length: int = 500
-    # The original capped the first prompt's tokens with it; here data.max_prompt_length does (longer
-    # prompts are dropped with a warning), so it is accepted and read by nothing.
-    max_start_length: int | None = None
-    shuffle_train_dataloader: bool = True
-    apply_chat_template: bool = True
-    seed: int = 1
+    train_files: Any = key(MISSING, "training data: a .parquet, .jsonl or .json file or a list of them; rows "
+                                    "with data_source, prompt (chat messages), reward_model.ground_truth, "
+                                    "extra_info, or RLinf's prompt and solutions")
+    val_files: Any = key(None, "validation data, as train_files; null: no validation")
+    train_data_num: int | None = key(None, "keep only the first N training prompts (of those within "
+                                           "max_prompt_length); null: all")
+    val_data_num: int | None = key(None, "keep only the first N validation prompts; null: all")
+    train_batch_size: int = key(512, "prompts per training step (each sampled rollout.n_agent times); an "
+                                     "epoch's last partial batch is dropped")
+    val_batch_size: int = key(256, "the original's prompts per validation batch: accepted and unused (validation "
+                                   "generates all validation prompts in one call, split over the workers)")
+    max_prompt_length: int = key(4096, "tokens per prompt (after the chat template); longer prompts are dropped "
+                                       "with a warning")
+    max_response_length: int = key(500, "tokens the model may generate per turn (the engine's max_tokens)")
+    max_obs_length: int = key(500, "tokens per retrieved observation; longer ones are cut, keeping the closing "
+                                   "</information>")
+    max_start_length: int | None = key(None, "the original's cap on the first prompt's tokens: accepted and unused "
+                                             "(max_prompt_length caps prompts here)")
+    shuffle_train_dataloader: bool = key(True, "training prompts in a new seeded order each epoch; false: file order")
+    apply_chat_template: bool = key(True, "format the prompt messages with the tokenizer's chat template; false: "
+                                          "their text as it is (base models)")
+    seed: int = key(1, "seed of the training prompts' order (with shuffle_train_dataloader)")
 
 
 @dataclass
 class ModelConfig:
-    path: str = MISSING
-    enable_gradient_checkpointing: bool = True
-    gradient_checkpointing_ratio: float = 1.0  # of the decoder layers, when enable_gradient_checkpointing
-    use_remove_padding: bool = True
-    attn_implementation: str | None = None  # None: flash-attn-2 > torch varlen (CUDA, bf16) > sdpa
-    use_torch_compile: bool = False         # torch.compile each decoder layer (actor and reference)
+    path: str = key(MISSING, "the policy: a Hugging Face model name or local directory (actor, reference and "
+                             "rollout engine all load it)")
+    enable_gradient_checkpointing: bool = key(True, "recompute activations in the backward pass instead of keeping "
+                                                    "them (less memory); how many layers: gradient_checkpointing_ratio")
+    gradient_checkpointing_ratio: float = key(1.0, "share of the decoder layers recomputed in backward when "
+                                                   "enable_gradient_checkpointing, spread over the depth, in [0, 1]; "
+                                                   "lower: faster, more memory")
+    use_remove_padding: bool = key(True, "the original's padding-free switch: accepted and unused (the forward is "
+                                         "always padding-free)")
+    attn_implementation: str | None = key(None, "attention of actor and reference; null: flash_attention_2 if "
+                                                "installed, else torch's varlen flash kernel (CUDA, bf16), else sdpa")
+    use_torch_compile: bool = key(False, "torch.compile each decoder layer of the actor and the reference")
 
 
 @dataclass
 class OptimConfig:
-    lr: float = 1e-6
-    lr_warmup_steps_ratio: float = 0.0
-    lr_schedule: str = "constant"
-    min_lr_ratio: float = 0.0
-    weight_decay: float = 0.01
-    betas: list = field(default_factory=lambda: [0.9, 0.999])
+    lr: float = key(1e-6, "AdamW learning rate (after warm-up)")
+    lr_warmup_steps_ratio: float = key(0.0, "share of the total training steps spent in linear warm-up, in [0, 1]")
+    lr_schedule: str = key("constant", "after warm-up: constant | cosine (down to min_lr_ratio × lr at the last step)")
+    min_lr_ratio: float = key(0.0, "cosine schedule: the last step's learning rate as a share of lr")
+    weight_decay: float = key(0.01, "AdamW weight decay")
+    betas: list = key_factory(lambda: [0.9, 0.999], "AdamW (beta1, beta2)")
 
 
 @dataclass
 class FSDPConfig:
-    param_offload: bool = False
-    # FSDP2 offloads gradients together with the parameters: true needs param_offload=true too.
-    grad_offload: bool = False
-    optimizer_offload: bool = False
-    mixed_precision: bool = True
+    param_offload: bool = key(False, "keep the parameter shards and their gradients in CPU memory, so the "
+                                     "optimizer step runs there (CUDA only)")
+    grad_offload: bool = key(False, "the original's gradient offload: FSDP2 offloads gradients together with the "
+                                    "parameters, so true needs param_offload=true and adds nothing to it")
+    optimizer_offload: bool = key(False, "keep the optimizer state in CPU memory between updates (CUDA only; with "
+                                         "param_offload it is there already)")
+    mixed_precision: bool = key(True, "compute in bf16 with fp32 master weights and fp32 gradient reduction "
+                                      "(CUDA only; CPU computes in fp32)")
     # several GPUs: keep full weights and gradients across micro-batches (fsdp.accumulation_steps)
-    unsharded_accumulation: bool = False
+    unsharded_accumulation: bool = key(False, "several GPUs: keep each layer's full weights and sum gradients "
+                                              "unsharded over a mini-batch's micro-batches (one all-gather and one "
+                                              "reduce-scatter per optimizer step); costs the model's unsharded bf16 "
+                                              "weights and fp32 gradients on every GPU")
 
 
 @dataclass
 class ActorConfig:
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    ppo_mini_batch_size: int = 256   # trajectories per optimizer step, over all GPUs (as the original)
-    ppo_micro_batch_size: int = 64
-    ppo_epochs: int = 1
-    grad_clip: float = 1.0
-    clip_ratio_low: float = 0.2
-    clip_ratio_high: float = 0.2
-    clip_ratio_c: float | None = None
-    loss_agg_mode: str = "token-mean"
-    entropy_coeff: float = 0.001
-    use_kl_loss: bool = False
-    kl_loss_coef: float = 0.001
-    kl_loss_type: str = "low_var_kl"
-    state_masking: bool = True
-    max_tokens_per_pack: int = 16384
-    fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
+    optim: OptimConfig = key_factory(OptimConfig, "the actor's optimizer")
+    ppo_mini_batch_size: int = key(256, "trajectories per optimizer step, summed over all GPUs (as in the "
+                                        "original); data.train_batch_size × rollout.n_agent must be a multiple")
+    ppo_micro_batch_size: int = key(64, "trajectories per forward/backward of the actor (also per forward of the "
+                                        "old log-probs), summed over all GPUs")
+    ppo_epochs: int = key(1, "passes over each step's trajectories (the critic's too)")
+    grad_clip: float = key(1.0, "largest global gradient norm, clipped above it (the critic's too)")
+    clip_ratio_low: float = key(0.2, "PPO clip: the probability ratio is clipped below at 1 - clip_ratio_low")
+    clip_ratio_high: float = key(0.2, "PPO clip: the probability ratio is clipped above at 1 + clip_ratio_high")
+    clip_ratio_c: float | None = key(None, "dual-clip constant (> 1, e.g. 3.0) bounding the loss of negative-"
+                                           "advantage tokens; null: off")
+    loss_agg_mode: str = key("token-mean", "token losses to one loss (the critic's too): token-mean | "
+                                           "seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm "
+                                           "(Dr.GRPO)")
+    entropy_coeff: float = key(0.001, "weight of the entropy bonus in the actor loss")
+    use_kl_loss: bool = key(False, "KL to the reference as a loss term (GRPO style); loads the reference model")
+    kl_loss_coef: float = key(0.001, "weight of the KL loss term (use_kl_loss)")
+    kl_loss_type: str = key("low_var_kl", "KL estimator of the loss term: kl (k1) | abs | mse (k2) | low_var_kl (k3)")
+    state_masking: bool = key(True, "keep retrieved tokens (observations) out of the loss, entropy and KL; false: "
+                                    "every response token counts")
+    max_tokens_per_pack: int = key(16384, "tokens per padding-free forward: a micro-batch's sequences are packed "
+                                          "into rows of at most this many (actor, reference and critic)")
+    fsdp_config: FSDPConfig = key_factory(FSDPConfig, "FSDP2 sharding, offload and precision of the actor")
+
+
+@dataclass
+class RefFSDPConfig:
+    """The reference is frozen (no gradients, no optimizer) and computes in the actor's precision:
+    of the original's fsdp_config it reads param_offload only; the other keys are accepted."""
+    param_offload: bool = key(False, "keep the reference's shards in CPU memory between its calls (CUDA only)")
+    grad_offload: bool = key(False, "accepted and unused (the reference has no gradients); true still needs "
+                                    "param_offload=true, as for the actor")
+    optimizer_offload: bool = key(False, "accepted and unused (the reference has no optimizer)")
+    mixed_precision: bool = key(True, "the reference computes in the actor's precision "
+                                      "(actor.fsdp_config.mixed_precision); false alone is refused")
+    unsharded_accumulation: bool = key(False, "accepted and unused (the reference accumulates no gradients)")
 
 
 @dataclass
 class RefConfig:
-    log_prob_micro_batch_size: int = 128
-    fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
+    log_prob_micro_batch_size: int = key(128, "trajectories per forward of the reference log-probs, summed over "
+                                              "all GPUs")
+    fsdp_config: RefFSDPConfig = key_factory(RefFSDPConfig, "the reference's FSDP2 settings: only param_offload "
+                                                            "is read")
 
 
 @dataclass
 class RolloutConfig:
-    name: str = "vllm"
-    n_agent: int = 1
-    # The original's vLLM `n` (samples per prompt inside one generate call); its search agent samples
-    # through n_agent, so only 1 is accepted.
-    n: int = 1
-    temperature: float = 1.0
-    top_p: float = 0.95
-    gpu_memory_utilization: float = 0.6
-    tensor_model_parallel_size: int = 1
-    enforce_eager: bool | None = None
-    enable_sleep: bool = True
-    log_prob_micro_batch_size: int = 128
-    max_model_len: int | None = None
-    agent_loop: str | None = None
-    # sync | async | continuous | auto: continuous with vLLM on a GPU (3B, one H100: the rollout 1.16x,
-    # the GRPO step 1.07x faster than sync), sync otherwise (the HF engine cannot step; CPU as measured)
-    schedule: str = "auto"
-    admit_every_steps: int = 32  # continuous schedule: ready turns join the running batch together
-    max_cudagraph_capture_size: int | None = 2048  # vLLM: largest step (tokens) run as a CUDA graph; None: vLLM's
-    # in_process | separate (vLLM's scheduler + model in a child process) | auto: separate on a GPU
-    engine_core: str = "auto"
+    name: str = key("vllm", "generation engine: vllm | hf (transformers generate: CPU and tests)")
+    n_agent: int = key(1, "samples per prompt: the group of GRPO/RLOO (as in the original scripts)")
+    n: int = key(1, "the original's vLLM samples per generate call: only 1 is accepted (any other value stops the "
+                    "run); samples per prompt are n_agent, of which this is no alias")
+    temperature: float = key(1.0, "sampling temperature of training rollouts (validation is greedy); the actor's "
+                                  "and reference's log-probs divide the logits by it too")
+    top_p: float = key(0.95, "nucleus sampling: the probability mass sampled from in training rollouts")
+    gpu_memory_utilization: float = key(0.6, "vLLM: share of the GPU's memory the engine may take for weights and "
+                                             "KV cache (on CPU: of RAM)")
+    tensor_model_parallel_size: int = key(1, "vLLM's tensor_parallel_size: GPUs one engine spans")
+    enforce_eager: bool | None = key(None, "vLLM: true runs without CUDA graphs; null: eager on CPU, CUDA graphs on "
+                                           "a GPU")
+    enable_sleep: bool = key(True, "vLLM on a GPU: free the engine's memory (KV cache, weights) while the actor "
+                                   "trains")
+    log_prob_micro_batch_size: int = key(128, "the original's micro-batch of the old log-probs: checked to be a "
+                                              "positive multiple of the workers, otherwise unused (old log-probs "
+                                              "run in actor.ppo_micro_batch_size micro-batches)")
+    max_model_len: int | None = key(None, "tokens one sequence may hold in the engine; null: max_prompt_length + "
+                                          "(max_turns + 1) × max_response_length + max_turns × max_obs_length")
+    agent_loop: str | None = key(None, "the agent loop as module:Class (search: "
+                                       "search_r1.agent.loop:SearchAgentLoop); null: single-turn generation")
+    schedule: str = key("auto", "how the agent loop drives the engine: sync | async | continuous (vLLM only) | "
+                                "auto: continuous with vLLM on a GPU, else sync (benchmarks/RESULTS.md)")
+    admit_every_steps: int = key(32, "continuous schedule: engine steps between admissions, when the turns that "
+                                     "are ready join the running batch together")
+    max_cudagraph_capture_size: int | None = key(2048, "vLLM: tokens of the largest engine step run as a CUDA "
+                                                       "graph (larger steps launch kernels one by one); null: "
+                                                       "vLLM's default")
+    engine_core: str = key("auto", "vLLM: in_process | separate (the engine's scheduler and model in a child "
+                                   "process) | auto: separate on a GPU, in_process on CPU")
     # token id -> added to its logit before sampling, in training and validation rollouts alike. The
     # actor's log-probs do not see it: biased samples are off-policy by the bias (benchmarks, bans).
-    logit_bias: dict[int, float] | None = None
+    logit_bias: dict[int, float] | None = key(None, "{token_id: bias} added to those tokens' logits when sampling, "
+                                                    "in training and validation; not in the actor's log-probs, so "
+                                                    "biased samples are off-policy; null: none")
     # vLLM only: more keyword arguments of vllm.LLM (e.g. max_num_seqs, max_num_batched_tokens,
     # prefix_caching_hash_algo); the settings above that have keys of their own are set there.
-    engine_kwargs: dict[str, Any] | None = None
+    engine_kwargs: dict[str, Any] | None = key(None, "vLLM only: more vllm.LLM arguments, e.g. {max_num_seqs: 512}; "
+                                                     "arguments that have keys of their own are refused")
 
 
 # vllm.LLM arguments that rollout keys set: engine_kwargs must not set them a second time.
@@ -138,108 +211,143 @@ VLLM_ARGS_WITH_KEYS = {
 
 @dataclass
 class ActorRolloutRefConfig:
-    model: ModelConfig = field(default_factory=ModelConfig)
-    actor: ActorConfig = field(default_factory=ActorConfig)
-    ref: RefConfig = field(default_factory=RefConfig)
-    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    model: ModelConfig = key_factory(ModelConfig, "the policy model, shared by actor, reference and rollout")
+    actor: ActorConfig = key_factory(ActorConfig, "the trained policy: PPO/GRPO update")
+    ref: RefConfig = key_factory(RefConfig, "the frozen initial policy, loaded when a KL term needs it "
+                                            "(actor.use_kl_loss or algorithm.use_kl_in_reward)")
+    rollout: RolloutConfig = key_factory(RolloutConfig, "generation: engine, sampling and the agent loop")
 
 
 @dataclass
 class CriticModelConfig:
-    path: str | None = None
-    enable_gradient_checkpointing: bool = True
-    gradient_checkpointing_ratio: float = 1.0  # of the decoder layers, when enable_gradient_checkpointing
-    use_remove_padding: bool = True  # accepted for compatibility: the forward is always padding-free
-    fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
+    path: str | None = key(None, "the critic's model: a Hugging Face name or local directory; null: "
+                                 "actor_rollout_ref.model.path")
+    enable_gradient_checkpointing: bool = key(True, "recompute activations in the backward pass instead of keeping "
+                                                    "them (less memory); how many layers: gradient_checkpointing_ratio")
+    gradient_checkpointing_ratio: float = key(1.0, "share of the decoder layers recomputed in backward when "
+                                                   "enable_gradient_checkpointing, spread over the depth, in [0, 1]; "
+                                                   "lower: faster, more memory")
+    use_remove_padding: bool = key(True, "the original's padding-free switch: accepted and unused (the forward is "
+                                         "always padding-free)")
+    fsdp_config: FSDPConfig = key_factory(FSDPConfig, "FSDP2 sharding, offload and precision of the critic")
 
 
 @dataclass
 class CriticConfig:
-    model: CriticModelConfig = field(default_factory=CriticModelConfig)
-    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
-    ppo_micro_batch_size: int = 64
-    cliprange_value: float = 0.5
+    model: CriticModelConfig = key_factory(CriticModelConfig, "the value model")
+    optim: OptimConfig = key_factory(lambda: OptimConfig(lr=1e-5), "the critic's optimizer")
+    ppo_micro_batch_size: int = key(64, "trajectories per forward/backward of the critic (values and update), "
+                                        "summed over all GPUs")
+    cliprange_value: float = key(0.5, "value clip: in the loss, new values are kept within this distance of the "
+                                      "old ones")
 
 
 @dataclass
 class KLCtrlConfig:
-    type: str = "fixed"
-    kl_coef: float = 0.001
-    target_kl: float = 0.1
-    horizon: int = 10000
+    type: str = key("fixed", "coefficient of the KL in the reward: fixed | adaptive (steered toward target_kl)")
+    kl_coef: float = key(0.001, "coefficient of the KL in the reward (adaptive: its starting value)")
+    target_kl: float = key(0.1, "adaptive: the KL to the reference that the coefficient is steered toward")
+    horizon: int = key(10000, "adaptive: trajectories over which the coefficient adapts (larger: slower)")
 
 
 @dataclass
 class AlgorithmConfig:
-    adv_estimator: str = "gae"
-    gamma: float = 1.0
-    lam: float = 1.0
-    norm_adv_by_std_in_grpo: bool = True
+    adv_estimator: str = key("gae", "gae (PPO: trains a critic) | grpo | rloo | reinforce_plus_plus | "
+                                    "reinforce_plus_plus_baseline")
+    gamma: float = key(1.0, "discount per token (GAE, REINFORCE++)")
+    lam: float = key(1.0, "GAE lambda")
+    norm_adv_by_std_in_grpo: bool = key(True, "grpo: divide advantages by the group's reward std; false: Dr.GRPO")
     # None: as the original, the KL penalty goes into the reward only when actor.use_kl_loss is off
     # (never both unless both are set true).
-    use_kl_in_reward: bool | None = None
-    no_think_rl: bool = False  # the original's key; it raised at the first step when true, so only false
-    kl_penalty: str = "kl"
-    kl_ctrl: KLCtrlConfig = field(default_factory=KLCtrlConfig)
+    use_kl_in_reward: bool | None = key(None, "subtract the KL to the reference from the token rewards; null: only "
+                                              "when actor.use_kl_loss is false (as the original)")
+    no_think_rl: bool = key(False, "the original's key: only false is accepted (true stopped the original at its "
+                                   "first step)")
+    kl_penalty: str = key("kl", "KL estimator in the reward: kl (k1) | abs | mse (k2) | low_var_kl (k3)")
+    kl_ctrl: KLCtrlConfig = key_factory(KLCtrlConfig, "coefficient of the KL in the reward (use_kl_in_reward)")
 
 
 @dataclass
 class RewardConfig:
-    function: str | None = None
+    function: str | None = key(None, "the outcome reward as module:function(data_source, response_text, "
+                                     "ground_truth) -> float or an object with .score, e.g. "
+                                     "search_r1.rewards:score_for; null stops the run at start-up")
 
 
 @dataclass
 class RetrieverConfig:
-    url: str = "http://127.0.0.1:8000/retrieve"
-    topk: int = 3
+    url: str = key("http://127.0.0.1:8000/retrieve", "the retrieval server's /retrieve endpoint")
+    topk: int = key(3, "passages per search")
+    api_key: str | None = key(None, "the server's --api-key; null: SEARCH_R1_API_KEY if set")
+    timeout_s: float = key(30.0, "seconds one search request may take")
+    connect_timeout_s: float = key(5.0, "seconds to connect; also the health probe after a timed-out request")
+    retries: int = key(5, "attempts after the first, with backoff")
+    # Trajectories whose search failed are masked out of the loss; when more than this share of
+    # the step's searching trajectories failed, the run stops (nothing is trained or saved).
+    max_failure_rate: float = key(0.5, "share of a step's searching trajectories whose search may fail (those are "
+                                       "masked out of the loss), in [0, 1]; above it the run stops")
 
 
 @dataclass
 class RerankerConfig:
     """The original trainer called a separate re-ranking service; here the retrieval server re-ranks
     (`search-r1 serve --reranker_model …`), so only do_rerank=false is accepted."""
-    do_rerank: bool = False
-    url: str | None = None
-    topk: int = 3
+    do_rerank: bool = key(False, "only false is accepted: the retrieval server re-ranks here")
+    url: str | None = key(None, "the original's re-ranking service: accepted and unused")
+    topk: int = key(3, "the original's passages kept after re-ranking: accepted and unused (retriever.topk "
+                       "sets passages per search)")
 
 
 @dataclass
 class RunConfig:
-    total_epochs: int = 1
-    total_training_steps: int | None = None
-    time_limit_minutes: float | None = None   # wall clock from the start of fit; None: no limit
-    project_name: str = "search_r1"
-    experiment_name: str = "run"
-    logger: list = field(default_factory=lambda: ["console", "jsonl"])
-    nnodes: int = 1
-    n_gpus_per_node: int = 1
-    device: str = "auto"
-    save_freq: int = -1
-    test_freq: int = -1
-    val_before_train: bool = True
-    val_only: bool = False           # validate once and stop (no training)
-    critic_warmup: int = 0           # steps: the actor is updated from this step on, the critic from step 1
-    default_hdfs_dir: str | None = None  # the original's HDFS copy; only null (checkpoints stay local)
-    keep_last_checkpoints: int = 2
-    resume_mode: str = "auto"
-    default_local_dir: str = "checkpoints/run"
-    export_hf_on_save: bool = True
-    ray_address: str | None = None
-    single_process: bool = False
-    seed: int = 1
+    total_epochs: int = key(1, "passes over the training prompts (when total_training_steps is null)")
+    total_training_steps: int | None = key(None, "training steps (learning-rate schedules span them); null: "
+                                                 "total_epochs × steps per epoch")
+    time_limit_minutes: float | None = key(None, "minutes of wall clock for this run from the start of training "
+                                                 "(resume and validation count); the step running when they are "
+                                                 "spent is the last; null: no limit")
+    project_name: str = key("search_r1", "the wandb project")
+    experiment_name: str = key("run", "the wandb run name; also names default_local_dir by default")
+    logger: list = key_factory(lambda: ["console", "jsonl"], "metric backends: console | jsonl "
+                               "(<default_local_dir>/metrics.jsonl) | wandb (WANDB_MODE=offline needs no account)")
+    nnodes: int = key(1, "nodes")
+    n_gpus_per_node: int = key(1, "worker processes per node: one per GPU (on CPU: processes)")
+    device: str = key("auto", "auto (cuda if available) | cuda | cpu")
+    save_freq: int = key(-1, "steps between checkpoints (the last step is saved too); -1: never")
+    test_freq: int = key(-1, "steps between validations (the last step is validated too); -1: never")
+    val_before_train: bool = key(True, "validate once before the first training step")
+    val_only: bool = key(False, "validate once and stop (no training)")
+    critic_warmup: int = key(0, "steps: the actor is updated from this step on, the critic from the first")
+    default_hdfs_dir: str | None = key(None, "the original's HDFS copy of checkpoints: only null (checkpoints stay "
+                                             "in default_local_dir)")
+    keep_last_checkpoints: int = key(2, "checkpoints kept; older ones are deleted once a newer one is complete")
+    resume_mode: str = key("auto", "auto: resume from the newest checkpoint in default_local_dir that verifies | "
+                                   "disable: start fresh")
+    # An interpolation, resolved by load_config (OmegaConf); a RunConfig built in Python keeps it as text.
+    default_local_dir: str = key("checkpoints/${trainer.experiment_name}",
+                                 "the run's directory: checkpoints, metrics.jsonl, samples, hf_actor, config.yaml; "
+                                 "by default it follows experiment_name")
+    export_hf_on_save: bool = key(True, "with each checkpoint, write the actor in Hugging Face format to "
+                                        "<default_local_dir>/hf_actor")
+    ray_address: str | None = key(None, "null: start a local Ray; auto or host:port: join a running cluster")
+    single_process: bool = key(False, "one worker inside the driver, no Ray (one GPU or CPU)")
+    seed: int = key(1, "seed of torch and of the rollout engines' sampling (plus the worker's rank)")
 
 
 @dataclass
 class TrainerConfig:
-    data: DataConfig = field(default_factory=DataConfig)
-    actor_rollout_ref: ActorRolloutRefConfig = field(default_factory=ActorRolloutRefConfig)
-    critic: CriticConfig = field(default_factory=CriticConfig)
-    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
-    reward: RewardConfig = field(default_factory=RewardConfig)
-    max_turns: int = 1
-    retriever: RetrieverConfig = field(default_factory=RetrieverConfig)
-    reranker: RerankerConfig = field(default_factory=RerankerConfig)
-    trainer: RunConfig = field(default_factory=RunConfig)
+    data: DataConfig = key_factory(DataConfig, "training and validation prompts")
+    actor_rollout_ref: ActorRolloutRefConfig = key_factory(ActorRolloutRefConfig, "the policy workers: model, "
+                                                           "actor, reference and rollout on every GPU")
+    critic: CriticConfig = key_factory(CriticConfig, "the value model, trained only with algorithm.adv_estimator=gae")
+    algorithm: AlgorithmConfig = key_factory(AlgorithmConfig, "advantage estimator and the KL in the reward")
+    reward: RewardConfig = key_factory(RewardConfig, "the outcome reward of a trajectory")
+    max_turns: int = key(1, "agent loop: searches allowed per trajectory (then one more turn to answer); read by "
+                            "multi-turn agent loops only")
+    retriever: RetrieverConfig = key_factory(RetrieverConfig, "the retrieval server the search agent calls")
+    reranker: RerankerConfig = key_factory(RerankerConfig, "the original's re-ranking service: the retrieval server "
+                                           "re-ranks here (search-r1 serve --reranker_model)")
+    trainer: RunConfig = key_factory(RunConfig, "run length, workers, logging and checkpoints")
 
 
 def load_config(raw) -> TrainerConfig:
@@ -251,6 +359,8 @@ def load_config(raw) -> TrainerConfig:
         raise ConfigError(f"invalid trainer config: {e}") from None
     _check_ranges(cfg)
     _check_original_keys(cfg)
+    if cfg.retriever.api_key is None:
+        cfg.retriever.api_key = os.environ.get("SEARCH_R1_API_KEY") or None
     if cfg.algorithm.use_kl_in_reward is None:
         cfg.algorithm.use_kl_in_reward = not cfg.actor_rollout_ref.actor.use_kl_loss
     return cfg
@@ -265,6 +375,9 @@ def _check_original_keys(cfg: TrainerConfig) -> None:
         if fsdp.grad_offload and not fsdp.param_offload:
             raise ConfigError(f"{key}.fsdp_config.grad_offload=true: FSDP2 offloads gradients together with "
                               f"the parameters; set {key}.fsdp_config.param_offload=true as well")
+    if not cfg.actor_rollout_ref.ref.fsdp_config.mixed_precision and cfg.actor_rollout_ref.actor.fsdp_config.mixed_precision:
+        raise ConfigError("actor_rollout_ref.ref.fsdp_config.mixed_precision=false: the reference computes in the "
+                          "actor's precision; set actor_rollout_ref.actor.fsdp_config.mixed_precision=false instead")
     if cfg.actor_rollout_ref.rollout.n != 1:
         raise ConfigError(f"actor_rollout_ref.rollout.n={cfg.actor_rollout_ref.rollout.n}: samples per prompt are "
                           "set by actor_rollout_ref.rollout.n_agent (as in the original Search-R1 scripts)")
@@ -277,6 +390,9 @@ def _check_original_keys(cfg: TrainerConfig) -> None:
     if cfg.trainer.default_hdfs_dir:
         raise ConfigError(f"trainer.default_hdfs_dir={cfg.trainer.default_hdfs_dir!r}: checkpoints are written to "
                           "trainer.default_local_dir only; copy them from there (or set the key to null)")
+    if not 0.0 <= cfg.retriever.max_failure_rate <= 1.0:
+        raise ConfigError(f"retriever.max_failure_rate={cfg.retriever.max_failure_rate}: give the share of "
+                          "searching trajectories whose search may fail before the run stops, in [0, 1]")
     if cfg.trainer.critic_warmup < 0:
         raise ConfigError(f"trainer.critic_warmup={cfg.trainer.critic_warmup}: give the step from which the actor "
                           "is updated (0: from the first step)")
@@ -355,3 +471,97 @@ def derive_sizes(cfg: TrainerConfig) -> Sizes:
     return Sizes(world, cfg.data.train_batch_size, per_step, per_step // world, mini // world, micro,
                  cfg.actor_rollout_ref.rollout.log_prob_micro_batch_size // world,
                  cfg.critic.ppo_micro_batch_size // world)
+
+
+# -- configs/ppo_trainer.yaml, generated from the dataclasses above -------------------------------
+
+YAML_WIDTH = 120          # characters per line of the generated file
+YAML_COMMENT_COLUMN = 35  # where a help that fits after its value starts; longer ones go above the key
+YAML_HEADER = """\
+# GENERATED from verl/trainer/config.py: do not edit by hand. Change the dataclass field (its default
+# or its help) there, then regenerate: python -m verl.trainer.config --write configs/ppo_trainer.yaml
+# (tests/verl/trainer/test_config_yaml.py fails while the two differ).
+#
+# Trainer configuration, Hydra's primary config for python -m verl.trainer.main_ppo key=value ...:
+# every key with its default, unit and meaning. Keys follow the original train_ppo.sh/train_grpo.sh
+# where they mean the same thing (README lists the ones that changed); keys of the original that
+# are accepted and unused say so. "Summed over all GPUs": divided by the number of workers."""
+
+
+def render_yaml(cfg: Any = None) -> str:
+    """The YAML of a config tree (default: TrainerConfig's defaults), each key with its help."""
+    lines = YAML_HEADER.splitlines()
+    _render_fields(TrainerConfig() if cfg is None else cfg, "", lines)
+    return "\n".join(lines) + "\n"
+
+
+def _render_fields(node: Any, indent: str, lines: list[str]) -> None:
+    for f in dataclasses.fields(node):
+        value, help = getattr(node, f.name), f.metadata.get("help", "").strip()
+        if not help:
+            raise ValueError(f"{type(node).__name__}.{f.name} has no help: declare it with key(default, help)")
+        if not indent:
+            lines.append("")  # a blank line before each top-level key
+        if dataclasses.is_dataclass(value):
+            lines += _comment_lines(help, indent)
+            lines.append(f"{indent}{f.name}:")
+            _render_fields(value, indent + "  ", lines)
+            continue
+        line = f"{indent}{f.name}: {_yaml_value(value)}"
+        trailing = f"{line.ljust(YAML_COMMENT_COLUMN - 2)}  # {help}"
+        if len(trailing) <= YAML_WIDTH:
+            lines.append(trailing)
+        else:
+            lines += _comment_lines(help, indent) + [line]
+
+
+def _comment_lines(text: str, indent: str) -> list[str]:
+    """`text` as comment lines above a key, in as few lines as fit and of even length (no one-word tail)."""
+    def wrap(width):
+        return textwrap.wrap(text, width, break_long_words=False, break_on_hyphens=False)
+
+    n_lines = len(wrap(YAML_WIDTH - len(indent) - 2))
+    width = -(-len(text) // n_lines)
+    while len(wrap(width)) > n_lines:
+        width += 1
+    return [f"{indent}# {part}" for part in wrap(width)]
+
+
+def _yaml_value(value: Any) -> str:
+    """One value in YAML flow style, as Hydra reads it back: ??? (MISSING), null, 1.0e-06, [a, b], {k: v}."""
+    import yaml
+
+    if isinstance(value, str) and value == MISSING:
+        return MISSING
+    text = yaml.safe_dump(value, default_flow_style=True, width=float("inf"), allow_unicode=True, sort_keys=False)
+    text = text.rstrip("\n").removesuffix("\n...")  # the document end PyYAML adds after a plain scalar
+    if "\n" in text:
+        raise ValueError(f"{value!r} does not fit on one YAML line")
+    return text
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m verl.trainer.config",
+                                     description="Render configs/ppo_trainer.yaml from the dataclasses of "
+                                                 "verl/trainer/config.py (to standard output by default).")
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument("--write", metavar="PATH", help="write the YAML to PATH")
+    where.add_argument("--check", metavar="PATH", help="exit with status 1 if PATH is not the generated YAML")
+    args = parser.parse_args(argv)
+    text = render_yaml()
+    if args.write:
+        with open(args.write, "w", encoding="utf-8") as f:
+            f.write(text)
+    elif args.check:
+        with open(args.check, encoding="utf-8") as f:
+            if f.read() != text:
+                print(f"{args.check} differs from verl/trainer/config.py: regenerate it with "
+                      f"python -m verl.trainer.config --write {args.check}", file=sys.stderr)
+                return 1
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -23,11 +23,12 @@ def run(raw: DictConfig) -> None:
     from transformers import AutoTokenizer
 
     from verl.single_controller.ray_group import LocalWorkerGroup, WorkerGroup, start_ray
-    from verl.single_controller.workers import CriticWorker, PolicyWorker
+    from verl.single_controller.workers import CriticWorker, PolicyWorker, agent_loop_kwargs
     from verl.trainer.config import ConfigError, check_agent_keys, derive_sizes, load_config
     from verl.trainer.core_algos import AdvEstimator
     from verl.trainer.ppo_trainer import PPOTrainer, load_reward_fn
     from verl.utils.dataset import PromptSampler, load_examples
+    from verl.workers.rollout.single_turn import load_agent_loop
     from verl.utils.tracking import Tracker
 
     cfg = load_config(raw)
@@ -39,6 +40,8 @@ def run(raw: DictConfig) -> None:
     sizes = derive_sizes(cfg)
     run_cfg = cfg.trainer
     device = run_cfg.device if run_cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    # The agent loop's tools (the retriever) answer before any worker is started for them.
+    load_agent_loop(cfg.actor_rollout_ref.rollout.agent_loop).preflight(**agent_loop_kwargs(cfg, device))
     AdvEstimator(cfg.algorithm.adv_estimator)  # fails early on an unknown estimator
 
     tokenizer = AutoTokenizer.from_pretrained(cfg.actor_rollout_ref.model.path)
@@ -115,10 +118,14 @@ def accept_plus_on_existing_keys(argv: list[str]) -> list[str]:
 def main(raw: DictConfig) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from verl.trainer.config import ConfigError
+    from verl.workers.rollout.single_turn import PreflightError
     try:
         run(raw)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except PreflightError as e:
+        print(f"start-up check failed: {e}", file=sys.stderr)
         sys.exit(2)
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 import json
 import logging
+import math
 import os
 import time
 from collections import defaultdict
@@ -37,6 +38,10 @@ def load_reward_fn(spec: str | None):
                          "search_r1.rewards:score_for")
     module, _, name = spec.partition(":")
     return getattr(importlib.import_module(module), name)
+
+
+class ToolFailures(RuntimeError):
+    """Too many of a step's tool calls (searches) failed to train on the step."""
 
 
 class Timer:
@@ -74,6 +79,7 @@ class PPOTrainer:
             batch = self.rollout(examples, self.cfg.actor_rollout_ref.rollout.n_agent, greedy=False)
         with t("reward"):
             batch.rewards_B, metrics = self.score(batch)
+            metrics |= self.drop_failed_tool_calls(batch)
         with t("old_log_probs"):
             batch.old_logprobs_BR = self.fan_out(self.policy, "compute_log_probs", batch)
         if self.use_reference:
@@ -138,6 +144,27 @@ class PPOTrainer:
             metrics[f"reward/em/{source}"] = float(np.mean(values))
         batch.info["reward"] = rewards
         return torch.tensor(rewards, dtype=torch.float32), metrics
+
+    def drop_failed_tool_calls(self, batch: RolloutBatch) -> dict:
+        """Trajectories whose search (tool call) failed saw an error text instead of passages: they
+        are masked out of the loss (their rewards still count in their group's baseline). Past
+        retriever.max_failure_rate of the searching trajectories, the run stops here, before any
+        update or checkpoint of this step."""
+        stats = batch.info["stats"]
+        failed = [bool(s.get("retrieval_failed")) for s in stats]
+        asked = sum(1 for s, f in zip(stats, failed) if f or s.get("searches", 0) > 0)
+        rate = sum(failed) / asked if asked else 0.0
+        limit = self.cfg.retriever.max_failure_rate
+        if failed and rate > limit:
+            raise ToolFailures(f"step {self.step + 1}: {sum(failed)} of {asked} searching trajectories got no "
+                               f"passages from {self.cfg.retriever.url} ({rate:.0%} > retriever.max_failure_rate="
+                               f"{limit:g}); see the workers' log for the errors. Nothing of this step was "
+                               "trained or saved: fix the retrieval server and rerun to resume.")
+        rows = torch.tensor(failed, dtype=torch.bool)
+        if rows.any():
+            batch.loss_mask_BR[rows] = 0
+            batch.response_mask_BR[rows] = 0
+        return {"agent/search_failures": float(sum(failed)), "agent/search_failure_rate": rate}
 
     def compute_advantages(self, batch: RolloutBatch) -> dict:
         a = self.cfg.algorithm
@@ -225,18 +252,53 @@ class PPOTrainer:
                       overwrite=True)
 
     def resume(self):
+        """Load the newest checkpoint that verifies: one whose files fail their checksums is skipped
+        with a warning naming the file, and the one before it is tried."""
+        from verl.trainer.checkpoint import CheckpointCorrupt, complete_steps, resume_steps
+        if self.cfg.trainer.resume_mode != "auto":
+            return
+        root = os.path.join(self.out_dir, "checkpoints")
+        steps = resume_steps(root)
+        if self.critic is not None:  # the critic saves first: a step without the actor's half is incomplete
+            critic_steps = set(complete_steps(os.path.join(root, "critic")))
+            steps = [s for s in steps if s in critic_steps]
+        failed = []
+        for step in steps:
+            try:
+                state = self.policy.call("load", root, step)[0]
+                if self.critic is not None:
+                    self.critic.call("load", root, step)
+            except CheckpointCorrupt as error:
+                error = getattr(error, "cause", error)  # what the worker raised, without Ray's wrapping
+                failed.append(str(error))
+                log.warning("%s; trying the checkpoint before it", error)
+                continue
+            self.step = state["step"]
+            self.sampler.restore(state["sampler"])
+            self.kl_ctrl.value = state.get("kl_coef", self.kl_ctrl.value)
+            log.info("resumed from step %d (%s)", step, root)
+            return
+        if failed:
+            raise RuntimeError(
+                f"No checkpoint under {root} verifies: {'; '.join(failed)}. To start fresh, set "
+                f"trainer.resume_mode=disable (the checkpoints are left as they are) or a new "
+                f"trainer.default_local_dir.")
+
+    def stop_if_not_finite(self, metrics: dict) -> None:
+        """End the run at a step whose loss or gradient norm is nan or inf, before it is validated or
+        saved: training on would save a broken state, and rotation would delete the good ones."""
+        bad = non_finite_metrics(metrics)
+        if not bad:
+            return
+        self.tracker.log(metrics, step=self.step)  # the bad values show next to the steps before them
         from verl.trainer.checkpoint import latest_step
         root = os.path.join(self.out_dir, "checkpoints")
-        step = latest_step(root) if self.cfg.trainer.resume_mode == "auto" else None
-        if step is None:
-            return
-        state = self.policy.call("load", root, step)[0]
-        if self.critic is not None:
-            self.critic.call("load", root, step)
-        self.step = state["step"]
-        self.sampler.restore(state["sampler"])
-        self.kl_ctrl.value = state.get("kl_coef", self.kl_ctrl.value)
-        log.info("resumed from step %d (%s)", step, root)
+        newest = latest_step(root)
+        where = (f"The newest checkpoint is step {newest} in {root}: rerun to resume from it (trainer.resume_mode="
+                 f"auto) once the cause is fixed, e.g. with a lower actor_rollout_ref.actor.optim.lr."
+                 if newest is not None else "No checkpoint was saved before it.")
+        raise RuntimeError(f"step {self.step}: {', '.join(f'{k}={metrics[k]}' for k in bad)}: not finite, so the "
+                           f"run stops here without validating or saving this state. {where}")
 
     def fit(self):
         from tqdm import tqdm
@@ -260,6 +322,7 @@ class PPOTrainer:
                 t = time.perf_counter()
                 metrics = self.train_step(examples)
                 self.step += 1
+                self.stop_if_not_finite(metrics)
                 metrics["timing_s/step"] = time.perf_counter() - t
                 metrics["data/epoch"] = self.sampler.epoch
                 elapsed_s = time.perf_counter() - start
@@ -283,6 +346,13 @@ def is_last_step(step: int, total_steps: int, elapsed_s: float, limit_minutes: f
     """After `step` steps and `elapsed_s` seconds of `fit`: is this step the last one? Yes at the
     planned total, or once the time limit is spent (a step that has started always finishes)."""
     return step >= total_steps or (limit_minutes is not None and elapsed_s >= 60 * limit_minutes)
+
+
+def non_finite_metrics(metrics: dict) -> list[str]:
+    """Names of the losses and gradient norms in `metrics` (pg_loss, kl_loss, vf_loss, grad_norm, …)
+    that are nan or inf."""
+    return sorted(k for k, v in metrics.items()
+                  if k.endswith(("loss", "grad_norm")) and isinstance(v, (int, float)) and not math.isfinite(v))
 
 
 def _mean_dicts(dicts: list[dict]) -> dict:

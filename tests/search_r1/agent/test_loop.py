@@ -273,6 +273,7 @@ def test_continuous_schedule_needs_a_stepping_engine(tokenizer, tiny_model_dir):
 # ---------------------------------------------------------------------------------------------
 # Real engine, real server
 
+@pytest.mark.e2e  # a vLLM engine
 def test_vllm_agent_against_real_retrieval_server(smollm2_dir, dense_server):
     """SmolLM2-135M on vLLM CPU. The prompt ends with an open <search> tag, which the small model
     reliably closes, so the real search path runs: stop handling in the engine, the HTTP client,

@@ -18,6 +18,8 @@ from conftest import FACTS, ServerProcess
 requests = pytest.importorskip("requests")
 aiohttp = pytest.importorskip("aiohttp")
 
+pytestmark = pytest.mark.e2e  # server processes, one per kind
+
 
 def wiki_url(title: str) -> str:
     return "https://en.wikipedia.org/wiki/" + title.replace(" ", "_")

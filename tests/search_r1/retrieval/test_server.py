@@ -28,6 +28,7 @@ def post(server, body, **kw):
     return httpx.post(server.url + "/retrieve", json=body, timeout=30, **kw)
 
 
+@pytest.mark.e2e  # dense_server: a server process
 def test_answer_layout_with_and_without_scores(dense_server):
     r = post(dense_server, {"queries": ["capital of Japan", "who painted the Mona Lisa"],
                             "topk": 2, "return_scores": True})
@@ -45,6 +46,7 @@ def test_answer_layout_with_and_without_scores(dense_server):
     assert len(post(dense_server, {"queries": ["capital of Japan"]}).json()["result"][0]) == 3
 
 
+@pytest.mark.e2e  # dense_server: a server process
 def test_concurrent_answers_equal_sequential(dense_server):
     queries = [f"{w} capital city" for w in ("French", "German", "Spanish", "Italian", "Peruvian",
                                               "Kenyan", "Japanese", "Canadian")] + \
@@ -86,6 +88,7 @@ BAD_INPUTS = [
 
 @pytest.mark.parametrize("body,status", BAD_INPUTS,
                          ids=[f"{status}-{body[:24].decode()}" for body, status in BAD_INPUTS])
+@pytest.mark.e2e  # dense_server: a server process
 def test_bad_input_gets_clear_4xx_and_server_keeps_serving(dense_server, body, status):
     r = httpx.post(dense_server.url + "/retrieve", content=body,
                    headers={"content-type": "application/json"})
@@ -95,6 +98,7 @@ def test_bad_input_gets_clear_4xx_and_server_keeps_serving(dense_server, body, s
     assert post(dense_server, {"queries": ["capital of Japan"], "topk": 1}).status_code == 200
 
 
+@pytest.mark.e2e  # dense_server: a server process
 def test_errors_from_the_framework_have_the_same_shape(dense_server):
     for r in (httpx.get(dense_server.url + "/retrieve"), httpx.post(dense_server.url + "/nowhere", json={}),
               httpx.post(dense_server.url + "/access", json={"urls": ["https://x"]})):
@@ -102,6 +106,7 @@ def test_errors_from_the_framework_have_the_same_shape(dense_server):
     assert "--pages_path" in r.json()["error"]  # a server started without pages says how to get them
 
 
+@pytest.mark.e2e  # dense_server: a server process
 def test_what_the_original_accepted_is_answered(dense_server, real_retriever):
     """Empty query lists, blank queries (`<search> </search>`) and over-long queries: 200."""
     r = post(dense_server, {"queries": [], "topk": 3, "return_scores": True})
@@ -363,10 +368,17 @@ def test_api_key(real_retriever):
         assert post(server, {"queries": ["x"]}).status_code == 401
         assert post(server, {"queries": ["x"]}, headers={"Authorization": "Bearer wrong"}).status_code == 401
         assert post(server, {"queries": ["x"]}, headers={"Authorization": "Bearer s3cret"}).status_code == 200
+        # with a key, only /health answers without it: metrics need it, the API docs are off
+        assert httpx.get(server.url + "/metrics").status_code == 401
+        assert httpx.get(server.url + "/metrics", headers={"Authorization": "Bearer s3cret"}).status_code == 200
+        for path in ("/docs", "/openapi.json", "/redoc"):
+            assert httpx.get(server.url + path).status_code == 404
+        assert httpx.get(server.url + "/health").status_code == 200
     finally:
         server.stop()
 
 
+@pytest.mark.e2e  # more server processes
 def test_retrieval_launch_script(dense_index, corpus_jsonl, tmp_path):
     """The launcher with the original's flags, pointed at the test corpus by environment."""
     import os
@@ -401,6 +413,7 @@ def worker_pids(pid: int) -> list[int]:
     return [c for c in children if b"resource_tracker" not in Path(f"/proc/{c}/cmdline").read_bytes()]
 
 
+@pytest.mark.e2e  # more server processes
 def test_worker_process_answers_like_the_worker_thread(dense_server, dense_index, corpus_jsonl, tmp_path):
     """`--worker_process`: the same answers as the server with the retriever in its thread; a worker
     process that dies is replaced (the request that saw it die may fail, the next ones are answered)."""
@@ -433,6 +446,7 @@ def test_worker_process_answers_like_the_worker_thread(dense_server, dense_index
         server.stop()
 
 
+@pytest.mark.e2e  # more server processes
 def test_serve_pipelined_by_default_answers_like_one_worker_thread(dense_server, dense_index, corpus_jsonl,
                                                                      tmp_path):
     """`search-r1 serve` pipelines a dense retriever by default; under concurrent load it answers as
@@ -459,6 +473,7 @@ def test_serve_pipelined_by_default_answers_like_one_worker_thread(dense_server,
         one_thread.stop()
 
 
+@pytest.mark.e2e  # more server processes
 def test_worker_process_start_up_errors_reach_the_command_line(dense_index, tmp_path, capsys):
     from conftest import FACTS, write_corpus
     short = write_corpus(tmp_path / "short.jsonl", FACTS[:-3])

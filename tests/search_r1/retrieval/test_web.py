@@ -312,3 +312,23 @@ def test_google_needs_the_search_engine_id_too(monkeypatch):
 def test_unknown_engine_lists_the_choices():
     with pytest.raises(ValueError, match="serpapi, google, brave, bing"):
         WebSearchRetriever("altavista")
+
+
+def test_an_engine_that_refuses_every_call_makes_the_server_unhealthy(make, fake):
+    """A bad key answers each query with an error that the server can only pass on as no hits: the
+    errors are counted, and /health turns 503 with the cause while the engine fails every call."""
+    from fastapi.testclient import TestClient
+
+    from search_r1.retrieval.server import create_app
+    for q in ("q1", "q2", "q3", "q4"):
+        fake.plan[q] = [401]
+    r = make(retries=0)
+    with TestClient(create_app(r, name="brave")) as client:
+        assert client.get("/health").status_code == 200
+        assert client.post("/retrieve", json={"queries": ["q1", "q2", "q3"], "topk": 1}).json()["result"] == [[], [], []]
+        health = client.get("/health")
+        assert health.status_code == 503 and "HTTP 401" in str(health.json()["problems"])
+        assert health.json()["stats"]["upstream_errors"] == 3
+        assert "retrieval_upstream_errors 3.0" in client.get("/metrics").text
+        client.post("/retrieve", json={"queries": ["works now"], "topk": 1})  # the engine answers again
+        assert client.get("/health").status_code == 200

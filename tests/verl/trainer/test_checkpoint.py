@@ -1,5 +1,6 @@
 """Sharded checkpoints: exact resume at world size 2 (gloo, FSDP2), resharded resume at world size 1,
-keep_last and crash leftovers, and the streaming HF export.
+keep_last, crash leftovers and the checksum manifest, and the streaming HF export. (Faults: corrupted
+shards, non-finite state, a full disk: test_checkpoint_faults.py.)
 
 One module-scoped fixture runs the first training run, since every test reads its checkpoints."""
 from __future__ import annotations
@@ -18,7 +19,8 @@ import torch.multiprocessing as mp
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
-from verl.trainer.checkpoint import export_hf, latest_step, load_checkpoint, main, save_checkpoint
+from verl.trainer.checkpoint import (export_hf, latest_step, load_checkpoint, main, save_checkpoint,
+                                     verify_checkpoint)
 
 
 # ---------------------------------------------------------------- code run in the spawned ranks
@@ -136,6 +138,7 @@ def first_run(tiny_model_dir, tmp_path_factory):
     return tmp, root, results, torch.load(results / "first_rank0.pt")
 
 
+@pytest.mark.e2e  # first_run: two training processes
 def test_layout_keep_last_and_crash_leftovers(first_run, tmp_path):
     _, root, _, _ = first_run
     assert sorted(p.name for p in root.iterdir()) == ["global_step_2", "global_step_3", "latest"]
@@ -147,6 +150,12 @@ def test_layout_keep_last_and_crash_leftovers(first_run, tmp_path):
     assert {p.name for p in (step_3 / "critic").iterdir()} == {"model"}
     assert {p.name for p in (step_3 / "rng").iterdir()} == {"rank_0.pt", "rank_1.pt"}
     assert latest_step(root) == 3
+    # Both ranks' files are checksummed, each rank hashing a share.
+    listed = json.loads((step_3 / "manifest.json").read_text())["files"]
+    assert set(listed) == {str(p.relative_to(step_3)) for p in step_3.rglob("*")
+                           if p.is_file() and p.name != "manifest.json"}
+    assert {"rng/rank_0.pt", "rng/rank_1.pt", "actor/model/__0_0.distcp", "actor/model/__1_0.distcp"} <= set(listed)
+    assert verify_checkpoint(step_3)
 
     # A crash while writing step 4 leaves a .tmp directory; without `latest`, directories are scanned.
     copy = tmp_path / "copy"
@@ -160,16 +169,19 @@ def test_layout_keep_last_and_crash_leftovers(first_run, tmp_path):
         load_checkpoint(root, 1, {})
 
 
+@pytest.mark.e2e  # first_run: two training processes
 def test_exact_resume(first_run, tiny_model_dir):
     tmp, root, results, _ = first_run
     _spawn(tmp, 2, _resume_same_world_size, tiny_model_dir, str(root), str(results))
 
 
+@pytest.mark.e2e  # first_run: two training processes
 def test_resume_at_other_world_size(first_run, tiny_model_dir):
     tmp, root, results, _ = first_run
     _spawn(tmp, 1, _resume_world_size_1, tiny_model_dir, str(root), str(results))
 
 
+@pytest.mark.e2e  # first_run: two training processes
 def test_export_hf(first_run, tiny_model_dir, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     _, root, _, record = first_run

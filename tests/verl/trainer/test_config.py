@@ -53,6 +53,7 @@ def test_engine_kwargs_reach_vllm_unless_a_key_of_their_own_sets_them():
             load_config(raw)
 
 
+@pytest.mark.e2e  # launches the trainer
 def test_logit_bias_outside_the_vocabulary_stops_the_trainer(tiny_model_dir, tmp_path):
     import subprocess
     import sys

@@ -13,6 +13,8 @@ import pytest
 
 from conftest import vllm_skip_reason
 
+pytestmark = pytest.mark.e2e
+
 ROOT = Path(__file__).resolve().parents[3]
 
 
@@ -57,16 +59,27 @@ def common(model, data, server):
             "trainer.logger=[console,jsonl]", "trainer.val_before_train=true"]
 
 
-def test_grpo_two_steps_resume_and_ppo(tiny_model_dir, bundled_data, bm25_server, tmp_path):
+def grpo_args(model, data, server):
+    return common(model, data, server) + [
+        "algorithm.adv_estimator=grpo", "algorithm.use_kl_in_reward=false",
+        "actor_rollout_ref.actor.use_kl_loss=true", "trainer.save_freq=1",
+        "actor_rollout_ref.rollout.max_cudagraph_capture_size=64",  # accepted; vLLM-CPU runs eagerly
+        "actor_rollout_ref.rollout.engine_core=separate"]  # weights cross into vLLM's own process
+
+
+@pytest.fixture(scope="module")
+def grpo_two_steps(tiny_model_dir, bundled_data, bm25_server, tmp_path_factory):
+    """Two GRPO steps with a checkpoint each: (its directory, metric rows, log). The resume test
+    continues in the same directory."""
     if reason := vllm_skip_reason():
         pytest.skip(reason)
-    base = common(tiny_model_dir, bundled_data, bm25_server)
-    grpo = base + ["algorithm.adv_estimator=grpo", "algorithm.use_kl_in_reward=false",
-                   "actor_rollout_ref.actor.use_kl_loss=true", "trainer.save_freq=1",
-                   "actor_rollout_ref.rollout.max_cudagraph_capture_size=64",  # accepted; vLLM-CPU runs eagerly
-                   "actor_rollout_ref.rollout.engine_core=separate"]  # weights cross into vLLM's own process
-    out = tmp_path / "grpo"
-    rows, log = train(grpo + ["trainer.total_training_steps=2"], out)
+    out = tmp_path_factory.mktemp("grpo")
+    rows, log = train(grpo_args(tiny_model_dir, bundled_data, bm25_server) + ["trainer.total_training_steps=2"], out)
+    return out, rows, log
+
+
+def test_grpo_two_steps(grpo_two_steps):
+    out, rows, log = grpo_two_steps
     # the engine cores are stopped before Ray ends the workers (left to Ray, vLLM logs "engine core
     # exited unexpectedly" and the workers' resource trackers fail on the cores' shared memory)
     assert "exited unexpectedly" not in log and "resource_tracker" not in log
@@ -86,8 +99,12 @@ def test_grpo_two_steps_resume_and_ppo(tiny_model_dir, bundled_data, bm25_server
     from transformers import AutoModelForCausalLM
     AutoModelForCausalLM.from_pretrained(out / "hf_actor")
 
+
+def test_grpo_resume_continues_with_the_same_data_order(grpo_two_steps, tiny_model_dir, bundled_data, bm25_server):
     # resume: a longer run continues at step 3 with the order an uninterrupted run would have. Its
     # time limit (0.06 s) is spent by then, so step 3 of 5 is the last: validated (test_freq is 10) and saved
+    out, _, _ = grpo_two_steps
+    grpo = grpo_args(tiny_model_dir, bundled_data, bm25_server)
     rows, _ = train(grpo + ["trainer.total_training_steps=5", "trainer.time_limit_minutes=0.001",
                          "trainer.test_freq=10", "trainer.val_before_train=false"], out)
     assert [r["step"] for r in rows if r["step"] > 0][-1] == 3 and "val/reward/em" in rows[-1]
@@ -101,14 +118,19 @@ def test_grpo_two_steps_resume_and_ppo(tiny_model_dir, bundled_data, bm25_server
     expected = [[e.index for e in sampler.next_batch()] for _ in range(3)]
     assert [o["indices"] for o in order] == expected
 
+
+def test_ppo_with_critic_warmup(tiny_model_dir, bundled_data, bm25_server, tmp_path):
+    if reason := vllm_skip_reason():
+        pytest.skip(reason)
     # one PPO step: GAE with a critic, KL in the reward; FSDP2 accumulation with unsharded weights
     # (the original's trainer.critic_warmup: the critic alone in step 1, both from step 2)
-    ppo = base + ["algorithm.adv_estimator=gae", "algorithm.use_kl_in_reward=true",
-                  "actor_rollout_ref.rollout.n_agent=1", "data.train_batch_size=2",
-                  "actor_rollout_ref.actor.ppo_mini_batch_size=2", "trainer.total_training_steps=2",
-                  "trainer.critic_warmup=2",
-                  "trainer.val_before_train=false", "actor_rollout_ref.actor.fsdp_config.unsharded_accumulation=true",
-                  "critic.model.fsdp_config.unsharded_accumulation=true"]
+    ppo = common(tiny_model_dir, bundled_data, bm25_server) + [
+        "algorithm.adv_estimator=gae", "algorithm.use_kl_in_reward=true",
+        "actor_rollout_ref.rollout.n_agent=1", "data.train_batch_size=2",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=2", "trainer.total_training_steps=2",
+        "trainer.critic_warmup=2",
+        "trainer.val_before_train=false", "actor_rollout_ref.actor.fsdp_config.unsharded_accumulation=true",
+        "critic.model.fsdp_config.unsharded_accumulation=true"]
     rows, _ = train(ppo, tmp_path / "ppo")
     first, second = [r for r in rows if r["step"] > 0]
     assert "timing_s/update_critic" in first and first["vf_loss"] > 0 and "timing_s/update_actor" not in first

@@ -15,7 +15,7 @@ import pytest
 from conftest import free_port, vllm_skip_reason
 from test_main_ppo import ROOT, bm25_server, bundled_data, common, train  # noqa: F401 (fixtures)
 
-pytestmark = pytest.mark.skipif(shutil.which("ray") is None, reason="needs the `ray` command")
+pytestmark = [pytest.mark.e2e, pytest.mark.skipif(shutil.which("ray") is None, reason="needs the `ray` command")]
 
 
 @pytest.fixture

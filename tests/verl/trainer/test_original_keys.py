@@ -114,6 +114,7 @@ def test_the_original_command_line_composes_through_hydra():
     assert "max_start_length: 2048" in r.stdout and "val_before_train: true" in r.stdout
 
 
+@pytest.mark.e2e  # launches the trainer
 def test_a_missing_reward_function_stops_before_any_worker_starts(tmp_path):
     r = subprocess.run([sys.executable, "-m", "verl.trainer.main_ppo", f"data.train_files={tmp_path / 'none.parquet'}",
                         "actor_rollout_ref.model.path=unused", "trainer.device=cpu"],

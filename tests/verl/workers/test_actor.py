@@ -325,6 +325,7 @@ def _fsdp_rank(rank, world, port, model_dir, batch_path, out_dir, unsharded):
 
 
 # unsharded: full weights and gradients kept across micro-batches (fsdp.accumulation_steps), the same update
+@pytest.mark.e2e  # two processes
 @pytest.mark.parametrize("unsharded", [False, True])
 def test_fsdp_world_size_2_matches_single_process(tiny_model_dir, batch, tmp_path, unsharded):
     torch.save(batch, tmp_path / "batch.pt")

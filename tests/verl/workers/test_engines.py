@@ -43,7 +43,7 @@ def vllm_engine(tiny_model):
     return VLLMEngine(tiny_model, seed=0, **VLLM_KW)
 
 
-@pytest.fixture(params=["hf", "vllm"])
+@pytest.fixture(params=["hf", pytest.param("vllm", marks=pytest.mark.e2e)])
 def engine(request):
     return request.getfixturevalue(f"{request.param}_engine")
 
@@ -130,6 +130,7 @@ def test_generate_one_batches_concurrent_calls(engine, prompts, monkeypatch):
     assert calls == [len(prompts)]
 
 
+@pytest.mark.e2e
 def test_async_vllm_engine_matches_offline_engine(tiny_model, vllm_engine, prompts):
     async def run():
         engine = AsyncVLLMEngine(tiny_model, seed=0, **VLLM_KW)
@@ -181,6 +182,7 @@ def run_child_core_script(model: str, prompts, device: str, separate: bool) -> d
     return json.loads(next(line for line in r.stdout.splitlines() if line.startswith("RESULT "))[7:])
 
 
+@pytest.mark.e2e
 def test_vllm_engine_core_in_a_child_process(tiny_model, vllm_engine, prompts):
     """VLLM_ENABLE_V1_MULTIPROCESSING=1 puts vLLM's engine core in a child process (the trainer's
     rollout.engine_core=separate): the same generations as in-process, and weights pushed from this
@@ -210,6 +212,7 @@ def test_make_engine_rejects_unknown_kind(tiny_model):
         make_engine("sglang", tiny_model)
 
 
+@pytest.mark.e2e
 def test_vllm_load_weights_takes_effect_and_restores(vllm_engine, tiny_model, prompts):
     """Weights pushed in memory change the output (the prefix cache, on by default, must not
     serve keys/values of the old weights), and pushing the originals back restores it."""
@@ -250,6 +253,7 @@ def test_generate_one_keeps_biased_and_unbiased_calls_apart(engine, prompts):
     assert unbiased == engine.generate(prompts[:1], plain, stop=[])[0]
 
 
+@pytest.mark.e2e
 def test_vllm_load_weights_streams_the_tensors(vllm_engine, tiny_model, prompts, monkeypatch):
     """In-process, each tensor is asked for while the engine is already loading the ones before it,
     not all up front: a sharded actor then gathers one full parameter at a time, never a whole model."""

@@ -323,8 +323,8 @@ class VLLMEngine:
     def wake(self) -> None:
         if torch.cuda.is_available():
             # Training in this process leaves freed blocks cached by PyTorch's allocator; vLLM allocates
-            # through its own (cumem) and cannot reuse them. Without this a 3B actor + reference + 0.4
-            # of an H200 for vLLM ran out of memory on the second wake.
+            # through its own (cumem) and cannot reuse them. Without this a 3B actor and reference
+            # sharing one GPU with vLLM ran out of memory on the second wake.
             torch.cuda.empty_cache()
         self.llm.wake_up()
 

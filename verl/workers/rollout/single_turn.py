@@ -21,9 +21,17 @@ class Completion:
                 "model_tokens": len(self.response_ids)}
 
 
+class PreflightError(RuntimeError):
+    """An agent loop's tool is not ready: the trainer stops before starting its workers."""
+
+
 class SingleTurnLoop:
     def __init__(self, engine, max_response_length: int = 512, **_ignored):
         self.engine, self.max_response_length = engine, max_response_length
+
+    @classmethod
+    def preflight(cls, **settings) -> None:
+        """Checked by the driver before any worker starts (an agent loop's tools, say); nothing here."""
 
     def run(self, prompts: list[list[int]], sampling: SamplingConfig) -> list[Completion]:
         sampling = SamplingConfig(sampling.temperature, sampling.top_p,
