@@ -146,3 +146,14 @@ def test_val_only_validates_once_and_trains_nothing(tiny_model_dir, bundled_data
     rows, _ = train(args, tmp_path / "val_only")
     assert [r["step"] for r in rows] == [0] and "val/reward/em" in rows[0]
     assert not (tmp_path / "val_only" / "checkpoints").exists()
+
+
+def test_grpo_with_the_hf_rollout_engine(tiny_model_dir, bundled_data, bm25_server, tmp_path):
+    """rollout.name=hf end to end: transformers generates, and the updated weights are pushed into it
+    after each update (this path once failed at the first weight push with a TypeError)."""
+    args = common(tiny_model_dir, bundled_data, bm25_server) + [
+        "algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.name=hf", "trainer.single_process=true",
+        "trainer.n_gpus_per_node=1", "trainer.total_training_steps=2", "trainer.val_before_train=false"]
+    rows, _ = train(args, tmp_path / "hf")
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(r["grad_norm"] > 0 and "timing_s/weight_sync" in r for r in rows)

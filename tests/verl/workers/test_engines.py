@@ -282,3 +282,15 @@ def test_vllm_load_weights_streams_the_tensors(vllm_engine, tiny_model, prompts,
     vllm_engine.load_weights(tensors())
     assert len(asked_while_loading) == len(original) and all(asked_while_loading)
     assert [g.token_ids for g in vllm_engine.generate(prompts, GREEDY, stop=[])] == before
+
+
+def test_hf_engine_dtype_is_a_dtype_and_pushed_weights_take_effect(tiny_model, prompts):
+    """The trainer pushes weights in the engine's dtype: `dtype` must be a torch.dtype, and the
+    push (in-place copies into parameters that require grad) must work and change the output."""
+    import torch
+    engine = HFEngine(tiny_model, device="cpu", dtype="float32", seed=0)
+    assert engine.dtype == torch.float32
+    before = [g.token_ids for g in engine.generate(prompts, GREEDY, stop=[])]
+    noisy = {k: v + 0.5 * torch.randn_like(v) for k, v in engine.model.state_dict().items() if v.dim() == 2}
+    engine.load_weights((k, v.to(engine.dtype)) for k, v in noisy.items())
+    assert [g.token_ids for g in engine.generate(prompts, GREEDY, stop=[])] != before

@@ -484,11 +484,11 @@ class HFEngine:
     def wake(self) -> None:
         pass
 
-    @torch.no_grad()
     @property
     def dtype(self) -> torch.dtype:
         return self.model.dtype
 
+    @torch.no_grad()  # in-place copies into parameters that require grad
     def load_weights(self, named_tensors) -> None:
         params = dict(self.model.named_parameters())
         for name, tensor in named_tensors:
