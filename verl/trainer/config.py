@@ -36,6 +36,14 @@ def key_factory(factory: Callable[[], Any], help: str) -> Any:
     return field(default_factory=factory, metadata={"help": help})
 
 
+# Help shared by the actor's and the critic's model keys.
+_CHECKPOINTING_HELP = ("recompute activations in the backward pass instead of keeping them (less memory); how many "
+                       "layers: gradient_checkpointing_ratio")
+_CHECKPOINTING_RATIO_HELP = ("share of the decoder layers recomputed in backward when enable_gradient_checkpointing, "
+                             "spread over the depth, in [0, 1]; lower: faster, more memory")
+_REMOVE_PADDING_HELP = "the original's padding-free switch: accepted and unused (the forward is always padding-free)"
+
+
 @dataclass
 class DataConfig:
     train_files: Any = key(MISSING, "training data: a .parquet, .jsonl or .json file or a list of them; rows "
@@ -66,13 +74,9 @@ class DataConfig:
 class ModelConfig:
     path: str = key(MISSING, "the policy: a Hugging Face model name or local directory (actor, reference and "
                              "rollout engine all load it)")
-    enable_gradient_checkpointing: bool = key(True, "recompute activations in the backward pass instead of keeping "
-                                                    "them (less memory); how many layers: gradient_checkpointing_ratio")
-    gradient_checkpointing_ratio: float = key(1.0, "share of the decoder layers recomputed in backward when "
-                                                   "enable_gradient_checkpointing, spread over the depth, in [0, 1]; "
-                                                   "lower: faster, more memory")
-    use_remove_padding: bool = key(True, "the original's padding-free switch: accepted and unused (the forward is "
-                                         "always padding-free)")
+    enable_gradient_checkpointing: bool = key(True, _CHECKPOINTING_HELP)
+    gradient_checkpointing_ratio: float = key(1.0, _CHECKPOINTING_RATIO_HELP)
+    use_remove_padding: bool = key(True, _REMOVE_PADDING_HELP)
     attn_implementation: str | None = key(None, "attention of actor and reference; null: flash_attention_2 if "
                                                 "installed, else torch's varlen flash kernel (CUDA, bf16), else sdpa")
     use_torch_compile: bool = key(False, "torch.compile each decoder layer of the actor and the reference")
@@ -222,13 +226,9 @@ class ActorRolloutRefConfig:
 class CriticModelConfig:
     path: str | None = key(None, "the critic's model: a Hugging Face name or local directory; null: "
                                  "actor_rollout_ref.model.path")
-    enable_gradient_checkpointing: bool = key(True, "recompute activations in the backward pass instead of keeping "
-                                                    "them (less memory); how many layers: gradient_checkpointing_ratio")
-    gradient_checkpointing_ratio: float = key(1.0, "share of the decoder layers recomputed in backward when "
-                                                   "enable_gradient_checkpointing, spread over the depth, in [0, 1]; "
-                                                   "lower: faster, more memory")
-    use_remove_padding: bool = key(True, "the original's padding-free switch: accepted and unused (the forward is "
-                                         "always padding-free)")
+    enable_gradient_checkpointing: bool = key(True, _CHECKPOINTING_HELP)
+    gradient_checkpointing_ratio: float = key(1.0, _CHECKPOINTING_RATIO_HELP)
+    use_remove_padding: bool = key(True, _REMOVE_PADDING_HELP)
     fsdp_config: FSDPConfig = key_factory(FSDPConfig, "FSDP2 sharding, offload and precision of the critic")
 
 

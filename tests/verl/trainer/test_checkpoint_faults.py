@@ -26,6 +26,7 @@ from ray.exceptions import RayTaskError
 from torch.distributed.checkpoint.api import CheckpointException
 
 import verl.trainer.checkpoint as checkpoint
+from test_checkpoint import _worker  # one gloo process of a test group
 from verl.trainer.checkpoint import latest_step, load_checkpoint, save_checkpoint
 from verl.trainer.config import TrainerConfig
 from verl.trainer.ppo_trainer import PPOTrainer
@@ -333,15 +334,6 @@ def _ranks_agree(rank, root, results):
         outcomes["corrupt"] = str(error)
     outcomes["listing"] = sorted(os.listdir(root))
     Path(results, f"rank{rank}.json").write_text(json.dumps(outcomes))
-
-
-def _worker(rank, world_size, store, fn, args):
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)
-    try:
-        fn(rank, *args)
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.e2e  # two processes
