@@ -54,6 +54,14 @@ def _parse(response: httpx.Response, n_queries: int) -> list[list[dict]]:
     return result
 
 
+def _headers(cfg: RetrieverConfig) -> dict:
+    # X-Timeout-S: the server drops our queued queries unsearched once we no longer wait for them.
+    headers = {"X-Timeout-S": f"{cfg.timeout_s:g}"}
+    if cfg.api_key:
+        headers["Authorization"] = f"Bearer {cfg.api_key}"
+    return headers
+
+
 def _timeout(cfg: RetrieverConfig) -> httpx.Timeout:
     return httpx.Timeout(cfg.timeout_s, connect=cfg.connect_timeout_s)
 
@@ -80,7 +88,7 @@ class RetrievalClient:
 
     def __init__(self, cfg: RetrieverConfig | None = None, **overrides):
         self.cfg = cfg or RetrieverConfig(**overrides)
-        headers = {"Authorization": f"Bearer {self.cfg.api_key}"} if self.cfg.api_key else {}
+        headers = _headers(self.cfg)
         self.http = httpx.Client(timeout=_timeout(self.cfg), headers=headers,
                                  limits=httpx.Limits(max_connections=64, max_keepalive_connections=64))
 
@@ -136,7 +144,7 @@ class AsyncRetrievalClient:
 
     def __init__(self, cfg: RetrieverConfig | None = None, **overrides):
         self.cfg = cfg or RetrieverConfig(**overrides)
-        headers = {"Authorization": f"Bearer {self.cfg.api_key}"} if self.cfg.api_key else {}
+        headers = _headers(self.cfg)
         self.http = httpx.AsyncClient(timeout=_timeout(self.cfg), headers=headers,
                                       limits=httpx.Limits(max_connections=256, max_keepalive_connections=256))
 

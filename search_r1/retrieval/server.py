@@ -113,6 +113,15 @@ class Job:
     future: asyncio.Future
     loop: asyncio.AbstractEventLoop
     enqueued: float
+    deadline: float | None = None   # time.monotonic() after which the client no longer waits
+    abandoned: bool = False         # the client disconnected
+
+    def expired(self) -> bool:
+        return self.abandoned or (self.deadline is not None and time.monotonic() > self.deadline)
+
+
+class Expired(Exception):
+    """A job dropped unsearched: its client's deadline passed or it went away."""
 
 
 class Metrics:
@@ -122,6 +131,8 @@ class Metrics:
         self.queries = Counter("retrieval_queries", "queries answered", registry=r)
         self.errors = Counter("retrieval_errors", "requests that failed inside the retriever", registry=r)
         self.rejected = Counter("retrieval_rejected", "requests shed because the queue was full", registry=r)
+        self.expired = Counter("retrieval_expired", "queries dropped unsearched: their client's deadline "
+                               "(X-Timeout-S) passed or it disconnected", registry=r)
         self.batch_size = Histogram("retrieval_batch_queries", "queries per search call", registry=r,
                                     buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048))
         self.latency = Histogram("retrieval_request_seconds", "request latency", registry=r,
@@ -177,7 +188,8 @@ class Batcher:
         return True
 
     def _next_batch(self) -> list[Job] | None:
-        first = self.jobs.get()
+        while (first := self.jobs.get()) is not None and self._drop_if_expired(first):
+            pass
         if first is None:
             return None
         batch, n = [first], len(first.queries)
@@ -190,9 +202,21 @@ class Batcher:
             if job is None:
                 self.jobs.put(None)  # keep the stop signal for the outer loop
                 break
+            if self._drop_if_expired(job):
+                continue
             batch.append(job)
             n += len(job.queries)
         return batch
+
+    def _drop_if_expired(self, job: Job) -> bool:
+        """Work nobody waits for any more is not searched: under overload, the queue would otherwise
+        be worked through for clients that gave up long ago, while the ones still waiting time out."""
+        if not job.expired():
+            return False
+        self.metrics.expired.inc(len(job.queries))
+        self._resolve(job, exc=Expired())
+        self._release([job])
+        return True
 
     def _run(self):
         while (batch := self._next_batch()) is not None:
@@ -289,6 +313,35 @@ def _validate(req: RetrieveRequest, cfg: ServerConfig) -> int:
         raise BadRequest(f"topk must be between 1 and {cfg.max_topk}, got {topk}")
     _check_texts(req.queries, "queries", cfg)
     return topk
+
+
+def _deadline(request: Request) -> float | None:
+    """A client may say how long it waits (`X-Timeout-S: seconds`, as our client does): queued work
+    past that is dropped instead of searched."""
+    value = request.headers.get("x-timeout-s")
+    if value is None:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0:
+        raise BadRequest(f"X-Timeout-S: {value!r}: give the seconds the client waits, a positive number")
+    return time.monotonic() + seconds
+
+
+async def _wait_unless_abandoned(request: Request, jobs: list[Job], poll_s: float = 0.5) -> list | None:
+    """The jobs' results (an exception where one failed), or None once the client disconnected, in
+    which case the jobs still queued are marked abandoned."""
+    futures = [j.future for j in jobs]
+    while True:
+        _, pending = await asyncio.wait(futures, timeout=poll_s)
+        if not pending:
+            return [f.exception() or f.result() for f in futures]
+        if await request.is_disconnected():
+            for job in jobs:
+                job.abandoned = True
+            return None
 
 
 def _check_texts(texts: list[str], field: str, cfg: ServerConfig) -> None:
@@ -425,13 +478,21 @@ def create_app(retriever: Retriever, cfg: ServerConfig | None = None, name: str 
             return error(e.status, str(e))
         if not req.queries:
             return answer({"result": []})
+        try:
+            deadline = _deadline(request)
+        except BadRequest as e:
+            return error(e.status, str(e))
         loop = asyncio.get_running_loop()
-        jobs = [Job(req.queries[lo:lo + cfg.max_batch], topk, loop.create_future(), loop, time.monotonic())
+        jobs = [Job(req.queries[lo:lo + cfg.max_batch], topk, loop.create_future(), loop, time.monotonic(), deadline)
                 for lo in range(0, len(req.queries), cfg.max_batch)]
         if not batcher.submit(jobs):
             metrics.rejected.inc()
             return error(503, "server busy: too many queued queries, retry later", **{"Retry-After": "1"})
-        parts = await asyncio.gather(*(j.future for j in jobs), return_exceptions=True)
+        parts = await _wait_unless_abandoned(request, jobs)
+        if parts is None:  # the client went away; its queued jobs are dropped unsearched
+            return error(499, "client disconnected")
+        if any(isinstance(p, Expired) for p in parts):
+            return error(504, "the request's X-Timeout-S passed before all its queries were searched")
         failed = next((p for p in parts if isinstance(p, BaseException)), None)
         if failed is not None:
             metrics.errors.inc()

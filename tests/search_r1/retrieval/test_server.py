@@ -481,3 +481,25 @@ def test_worker_process_start_up_errors_reach_the_command_line(dense_index, tmp_
                      "--corpus_path", str(short), "--worker_process"]) == 2
     err = capsys.readouterr().err
     assert "37 rows" in err and "40 vectors" in err
+
+
+def test_work_nobody_waits_for_is_not_searched(real_retriever):
+    """Goodput under overload: queued requests whose X-Timeout-S passed (or whose client went away)
+    are dropped unsearched and answered 504, instead of being worked through after their clients
+    gave up while the clients still waiting time out."""
+    slow = Wrapped(real_retriever, delay=0.4)
+    server = ThreadServer(create_app(slow, ServerConfig(max_batch=1, max_wait_ms=0)))
+    try:
+        with ThreadPoolExecutor(8) as pool:
+            answers = list(pool.map(lambda i: post(server, {"queries": [f"capital {i}"]},
+                                                   headers={"X-Timeout-S": "0.3"}), range(8)))
+        codes = sorted(r.status_code for r in answers)
+        assert codes.count(200) >= 1 and codes.count(504) >= 5, codes
+        assert len(slow.calls) <= 3, slow.calls  # not one search per request
+        assert "X-Timeout-S" in next(r for r in answers if r.status_code == 504).json()["error"]
+        metrics = httpx.get(server.url + "/metrics").text
+        assert "retrieval_expired_total" in metrics
+        assert post(server, {"queries": ["x"]}, headers={"X-Timeout-S": "soon"}).status_code == 400
+        assert post(server, {"queries": ["capital of Japan"]}).status_code == 200  # no header: no deadline
+    finally:
+        server.stop()
