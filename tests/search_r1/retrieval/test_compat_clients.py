@@ -10,13 +10,12 @@ import asyncio
 import json
 import re
 
+import aiohttp  # RLinf's and ASearcher's clients are written with it (a test dependency)
 import httpx
 import pytest
+import requests  # the original Search-R1's and verl's clients use it
 
 from conftest import FACTS, ServerProcess
-
-requests = pytest.importorskip("requests")
-aiohttp = pytest.importorskip("aiohttp")
 
 pytestmark = pytest.mark.e2e  # server processes, one per kind
 
