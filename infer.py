@@ -37,23 +37,26 @@ def colourise(text: str, state: list[str], enabled: bool) -> str:
 
 
 def build_parser():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("question", nargs="?", help="omit for an interactive prompt")
     p.add_argument("--model", help="model dir or hub id (default: bundled SmolLM2-135M-Instruct)")
-    p.add_argument("--retriever-url", default="http://127.0.0.1:8000/retrieve")
-    p.add_argument("--engine", choices=["hf", "vllm"], default="hf")
+    p.add_argument("--retriever-url", default="http://127.0.0.1:8000/retrieve", help="the retrieval server")
+    p.add_argument("--engine", choices=["hf", "vllm"], default="hf", help="generation engine")
     p.add_argument("--device", default=None, help="hf engine: cpu or cuda (default: cuda if present)")
-    p.add_argument("--template", choices=["instruct", "base"], default="instruct")
-    p.add_argument("--max-turns", type=int, default=4)
-    p.add_argument("--max-response-length", type=int, default=2048)
-    p.add_argument("--topk", type=int, default=3)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--no-colour", action="store_true")
+    p.add_argument("--template", choices=["instruct", "base"], default="instruct",
+                   help="instruct: the chat template; base: the prompt as plain text")
+    p.add_argument("--max-turns", type=int, default=4, help="searches allowed")
+    p.add_argument("--max-response-length", type=int, default=2048, help="tokens of the whole response")
+    p.add_argument("--topk", type=int, default=3, help="passages per search")
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    p.add_argument("--no-colour", action="store_true", help="plain text output")
     return p
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    from search_r1.cli import normalize_flags
+    args = build_parser().parse_args(normalize_flags(sys.argv[1:] if argv is None else list(argv)))
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     import torch
 

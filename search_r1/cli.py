@@ -1,7 +1,7 @@
 """`search-r1` command line: serve, index build, corpus convert, retrieve, eval, sft, report.
 
-Flags keep the original launcher's underscore spelling (`--index_path`); the dashed spelling
-(`--index-path`) is accepted as well.
+Every command takes both spellings of a flag: the original launcher's underscores (`--index_path`)
+and dashes (`--index-path`), shown in help with dashes and their defaults (`normalize_flags`).
 """
 from __future__ import annotations
 
@@ -13,8 +13,28 @@ from dataclasses import fields
 
 
 def _add(p: argparse.ArgumentParser, name: str, **kw):
-    flags = [f"--{name}"] + ([f"--{name.replace('_', '-')}"] if "_" in name else [])
-    p.add_argument(*flags, dest=name, **kw)
+    p.add_argument(f"--{name.replace('_', '-')}", dest=name, **kw)
+
+
+def normalize_flags(argv: list[str]) -> list[str]:
+    """`--index_path=x` → `--index-path=x`: every parser defines the dashed spelling only, so one
+    spelling shows in help and both work, in every command."""
+    out = []
+    for arg in argv:
+        if arg.startswith("--") and len(arg) > 2:
+            name, eq, value = arg.partition("=")
+            arg = name.replace("_", "-") + eq + value
+        out.append(arg)
+    return out
+
+
+def show_defaults(parser: argparse.ArgumentParser) -> None:
+    """Defaults in the help of this parser and every sub-command's."""
+    parser.formatter_class = argparse.ArgumentDefaultsHelpFormatter
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                show_defaults(sub)
 
 
 def _serve_parser(sub):
@@ -44,8 +64,8 @@ def _serve_parser(sub):
     _add(p, "web_cache_dir")
     c = ServerConfig()
     _add(p, "topk", type=int, default=c.topk, help="default top-k of a request")
-    _add(p, "host", default="127.0.0.1")
-    _add(p, "port", type=int, default=8000)
+    _add(p, "host", default="127.0.0.1", help="interface to listen on (0.0.0.0: every interface)")
+    _add(p, "port", type=int, default=8000, help="port to listen on")
     _add(p, "api_key", help="require `Authorization: Bearer KEY` (or set SEARCH_R1_API_KEY)")
     _add(p, "max_batch", type=int, default=c.max_batch, help="queries per search call")
     _add(p, "max_wait_ms", type=float, default=c.max_wait_ms)
@@ -140,15 +160,16 @@ def _corpus_convert(args):
 def _retrieve_parser(sub):
     p = sub.add_parser("retrieve", help="ask a running server (prints JSON)")
     p.add_argument("queries", nargs="+")
-    _add(p, "url", default="http://127.0.0.1:8000/retrieve")
-    _add(p, "topk", type=int, default=3)
+    _add(p, "retriever_url", default="http://127.0.0.1:8000/retrieve", help="the server's /retrieve URL")
+    p.add_argument("--url", dest="retriever_url", help=argparse.SUPPRESS)  # the earlier name
+    _add(p, "topk", type=int, default=3, help="passages per query")
     p.set_defaults(func=_retrieve)
 
 
 def _retrieve(args):
     from search_r1.retrieval.client import RetrievalClient
 
-    with RetrievalClient(url=args.url) as client:
+    with RetrievalClient(url=args.retriever_url) as client:
         print(json.dumps(client.retrieve(args.queries, args.topk), indent=1, ensure_ascii=False))
 
 
@@ -166,12 +187,13 @@ def build_parser() -> argparse.ArgumentParser:
         except ModuleNotFoundError as e:
             if e.name != module:  # a missing dependency is an error; a missing module is not
                 raise
+    show_defaults(parser)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(normalize_flags(sys.argv[1:] if argv is None else list(argv)))
     try:
         args.func(args)
     except (FileNotFoundError, ValueError, ImportError) as e:

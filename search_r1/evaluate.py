@@ -511,7 +511,9 @@ if __name__ == "__main__":  # `python -m search_r1.evaluate eval …`, as script
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     parser = argparse.ArgumentParser(prog="python -m search_r1.evaluate", description=__doc__.splitlines()[0])
     add_parser(parser.add_subparsers(dest="cmd", required=True))
-    parsed = parser.parse_args()
+    from search_r1.cli import normalize_flags, show_defaults
+    show_defaults(parser)
+    parsed = parser.parse_args(normalize_flags(sys.argv[1:]))
     try:
         parsed.func(parsed)
     except (FileNotFoundError, ValueError) as error:  # the message says what to do
