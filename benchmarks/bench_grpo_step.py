@@ -31,43 +31,19 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # the package first, then the t
 SHAPES = {"tiny": (64, 2, 2, 1, 128), "0.5b": (896, 24, 14, 2, 4864), "3b": (2048, 36, 16, 2, 11008)}
 
 
-class DenseServer:
+def dense_server(rows: int, devices: list[str], tokenizer: str, workdir: Path):
     """bench_server.py's synthetic dense server (`--serve`) in a process of its own, as the original
     runs its retriever beside the trainer: the vectors sharded over `devices`, the encoder on the first."""
-
-    def __init__(self, rows: int, devices: list[str], tokenizer: str, workdir: Path):
-        import httpx
-        from conftest import free_port
-        workdir.mkdir(parents=True, exist_ok=True)
-        port = free_port()
-        self.url = f"http://127.0.0.1:{port}"
-        self.log = open(workdir / "server.log", "w")
-        self.proc = subprocess.Popen(
-            [sys.executable, str(ROOT / "benchmarks" / "bench_server.py"), "--serve", "--n", str(rows),
-             "--devices", ",".join(devices), "--port", str(port), "--tokenizer", tokenizer, "--workdir", str(workdir)],
-            stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT,
-            env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))})
-        t = time.perf_counter()
-        while time.perf_counter() - t < 900:
-            if self.proc.poll() is not None:
-                raise SystemExit(f"the dense server exited; see {workdir / 'server.log'}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    print(f"dense server over {rows:,} vectors on {devices} ready in {time.perf_counter() - t:.0f} s",
-                          flush=True)
-                    return
-            except httpx.TransportError:
-                time.sleep(1)
-        self.stop()
-        raise SystemExit("the dense server did not start within 15 minutes")
-
-    def stop(self):
-        self.proc.terminate()
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-        self.log.close()
+    from conftest import ServerProcess
+    workdir.mkdir(parents=True, exist_ok=True)
+    t = time.perf_counter()
+    server = ServerProcess(["--n", str(rows), "--devices", ",".join(devices), "--tokenizer", tokenizer,
+                            "--workdir", str(workdir)], workdir / "server.log",
+                           env={"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))},
+                           command=[sys.executable, str(ROOT / "benchmarks" / "bench_server.py"), "--serve"],
+                           start_timeout_s=900)
+    print(f"dense server over {rows:,} vectors on {devices} ready in {time.perf_counter() - t:.0f} s", flush=True)
+    return server
 
 
 def main(argv=None):
@@ -122,8 +98,8 @@ def main(argv=None):
             preprocess.main(["--bundled", "--split", split, "--out", str(work / f"{split}.parquet")])
     server = None
     if a.dense_rows:
-        server = DenseServer(a.dense_rows, [f"cuda:{i}" for i in range(a.gpus)], a.server_tokenizer,
-                             work / "dense_server")
+        server = dense_server(a.dense_rows, [f"cuda:{i}" for i in range(a.gpus)], a.server_tokenizer,
+                              work / "dense_server")
     elif a.retriever_url is None:
         corpus = bundled_paths()["corpus"]
         index = build_bm25_index(str(corpus), str(work / "bm25"), progress=False)

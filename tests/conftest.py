@@ -86,14 +86,19 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, args: list[str], log_path: Path, env: dict | None = None):
+    """A retrieval server on a free port of 127.0.0.1, up once its /health answers. `command`
+    replaces `search-r1 serve` (e.g. a benchmark's server); `--port PORT` is appended to it."""
+
+    def __init__(self, args: list[str], log_path: Path, env: dict | None = None,
+                 command: list[str] | None = None, start_timeout_s: float = 120):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = open(log_path, "w")
+        command = command or [sys.executable, "-m", "search_r1.cli", "serve"]
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "search_r1.cli", "serve", "--port", str(self.port), *args],
+            [*command, "--port", str(self.port), *args],
             stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
-        deadline = time.time() + 120
+        deadline = time.time() + start_timeout_s
         while time.time() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited: {log_path.read_text()[-2000:]}")
