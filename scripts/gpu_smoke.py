@@ -154,7 +154,10 @@ def query_dense_server(enc: Path, index: Path, corpus, log: Path) -> None:
 # -- running ---------------------------------------------------------------------------------------
 
 def run_part(part: Part, devices: list[int], out: Path) -> tuple[str, bool, float, str]:
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(map(str, devices)),
+    # `devices` index the GPUs this script sees, which CUDA_VISIBLE_DEVICES may already narrow
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")
+    names = [visible[d] if visible[0] else str(d) for d in devices]
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(names),
            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     start, error = time.perf_counter(), None
     with open(out / f"{part.name}.log", "w") as log:

@@ -153,7 +153,8 @@ def build_index(kind: str, corpus: Path, out: Path) -> list:
 def evaluate(model: Path, data: Path, url: str, out: Path, size: Preset, label: str) -> dict:
     run([sys.executable, "-m", "search_r1.cli", "eval", "--model", model, "--data", data,
          "--retriever-url", url, "--limit", size.eval_questions, "--mode", "search", "--out", out,
-         "--max-turns", 3, "--max-response-length", size.response_length, "--max-obs-length", 256])
+         "--max-turns", 3, "--max-response-length", size.response_length, "--max-obs-length", 256,
+         "--enforce-eager"])  # a 135M model over a few hundred questions: start-up dominates
     result = json.loads((out / "eval_search.json").read_text())
     em, n = float(result["macro"]["em"]), int(result["n"])
     say(f"{label}: exact match {em:.3f} on {n} test questions")

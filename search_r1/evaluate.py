@@ -81,6 +81,9 @@ class EvalConfig:
     schedule: str = "continuous"
     engine_core: str | None = None    # in_process | separate | None
     gpu_memory_utilization: float = 0.8
+    # vLLM on a GPU: None compiles and captures CUDA graphs (minutes of start-up that pay off on a
+    # large evaluation); True starts in seconds, the better choice for a small model or few questions.
+    enforce_eager: bool | None = None
     seed: int = 0
 
 
@@ -254,7 +257,8 @@ def build_engine(cfg: EvalConfig, model: str, max_model_len: int):
         if core not in ("in_process", "separate"):
             raise ValueError(f"--engine-core {core!r}: use in_process or separate")
         return VLLMEngine(model, seed=cfg.seed, max_model_len=max_model_len,
-                          gpu_memory_utilization=cfg.gpu_memory_utilization, separate_core=core == "separate", **kw)
+                          gpu_memory_utilization=cfg.gpu_memory_utilization, separate_core=core == "separate",
+                          enforce_eager=cfg.enforce_eager, **kw)
     raise ValueError(f"--engine {cfg.engine!r}: use vllm or hf")
 
 
@@ -477,6 +481,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--engine-core", choices=["in_process", "separate"],
                    help="vLLM's scheduler in this process or its own (default: separate on a GPU)")
     p.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)
+    p.add_argument("--enforce-eager", action="store_true", default=None,
+                   help="vLLM on a GPU: skip compiling and CUDA graphs (starts in seconds; small models, few questions)")
     p.add_argument("--seed", type=int, default=d.seed)
     p.set_defaults(func=main, eval_command="eval")
 
@@ -504,7 +510,7 @@ def main(args: argparse.Namespace) -> None:
         max_turns=args.max_turns, topk=args.topk, max_response_length=args.max_response_length,
         max_obs_length=args.max_obs_length, template=args.template, base_model=args.base_model,
         label=args.label, batch_size=args.batch_size, schedule=args.schedule, engine_core=args.engine_core,
-        gpu_memory_utilization=args.gpu_memory_utilization, seed=args.seed))
+        gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager, seed=args.seed))
 
 
 if __name__ == "__main__":  # `python -m search_r1.evaluate eval …`, as scripts/evaluate.sh runs it
