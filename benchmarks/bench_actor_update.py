@@ -97,7 +97,7 @@ def model_flops_per_update(shape: str, batch, world: int, checkpoint_ratio: floa
     attn_pairs = float((lengths ** 2).sum()) * world  # causal: L²/2 pairs per row, 4·head·heads FLOPs each
     layers_fwd = 2 * layers * layer_params * tokens + 2 * layers * hidden * attn_pairs
     fwd = layers_fwd + 2 * hidden * vocab * response_tokens
-    return 3 * fwd, layers_fwd * round(checkpoint_ratio * layers) / layers  # as fsdp._enable_gradient_checkpointing
+    return 3 * fwd, layers_fwd * round(checkpoint_ratio * layers) / layers  # as modeling._enable_gradient_checkpointing
 
 
 def peak_flops(override: float | None) -> float | None:
@@ -117,7 +117,7 @@ def profile_update(actor, batch, mini_batch_size: int, path: str, title: str) ->
     gpu = torch.cuda.is_available()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
     with profile(activities=activities) as prof:
-        actor.update(batch, mini_batch_size=mini_batch_size, entropy_coef=0.0)
+        actor.update(batch, mini_batch_size=mini_batch_size)
         if gpu:
             torch.cuda.synchronize()
     table = prof.key_averages().table(sort_by="self_cuda_time_total" if gpu else "self_cpu_time_total",
@@ -153,7 +153,7 @@ def time_updates(actor, batch, mini_batch_size: int, warmup: int, steps: int, gp
         if gpu:
             torch.cuda.synchronize()
         t1 = time.perf_counter()
-        metrics = actor.update(batch, mini_batch_size=mini_batch_size, entropy_coef=0.0)
+        metrics = actor.update(batch, mini_batch_size=mini_batch_size)
         if gpu:
             torch.cuda.synchronize()
         t2 = time.perf_counter()
@@ -168,9 +168,10 @@ def run(a) -> list[dict]:
     import torch.distributed as dist
 
     from verl.trainer import core_algos
-    from verl.workers import fsdp
+    from verl.trainer.config import ActorConfig, FSDPConfig, ModelConfig, OptimConfig
+    from verl.workers import packing
     from verl.workers.actor import Actor
-    from verl.workers.fsdp import init_distributed, world_size
+    from verl.workers.distributed import init_distributed, world_size
 
     distributed = "RANK" in os.environ
     rank = init_distributed()[0] if distributed else 0
@@ -193,7 +194,7 @@ def run(a) -> list[dict]:
     for variant, ratio, logprobs_impl, accumulation in itertools.product(
             a.attn.split(","), a.ratios, a.logprobs.split(","), a.accumulation.split(",")):
         attn, _, compiled = variant.partition("+")  # e.g. "varlen+compile"
-        fsdp.logprobs_and_entropy = {"chunked": core_algos.logprobs_and_entropy,
+        packing.logprobs_and_entropy = {"chunked": core_algos.logprobs_and_entropy,
                                      "naive": naive_logprobs_and_entropy}[logprobs_impl]
         flops, recompute = model_flops_per_update(a.shape, batch, world, ratio)
         fwd_flops = flops / 3
@@ -206,10 +207,14 @@ def run(a) -> list[dict]:
                 "micro_batch": a.micro, "tokens_per_update": int(tokens), "checkpointing": ratio > 0,
                 "checkpoint_ratio": ratio, "logprobs": logprobs_impl, "accumulation": accumulation}
         try:
-            actor = Actor(str(model_dir), lr=1e-6, micro_batch_size=a.micro, max_tokens_per_pack=a.max_tokens_per_pack,
-                          gradient_checkpointing=ratio, mixed_precision=gpu,
-                          unsharded_accumulation=accumulation == "unsharded", attn_implementation=attn,
-                          use_torch_compile=compiled == "compile")
+            model = ModelConfig(path=str(model_dir), enable_gradient_checkpointing=ratio > 0,
+                                gradient_checkpointing_ratio=ratio, attn_implementation=attn,
+                                use_torch_compile=compiled == "compile")
+            # the trainer's actor keys without the entropy bonus, so rows stay comparable with earlier runs
+            cfg = ActorConfig(optim=OptimConfig(lr=1e-6), max_tokens_per_pack=a.max_tokens_per_pack, entropy_coeff=0.0,
+                              fsdp_config=FSDPConfig(mixed_precision=gpu,
+                                                     unsharded_accumulation=accumulation == "unsharded"))
+            actor = Actor(model, cfg, micro_batch_size=a.micro)
             times_lp, times_up, compiles, metrics = time_updates(actor, batch, n_local, a.warmup, a.steps, gpu)
         except torch.OutOfMemoryError:
             if distributed:
@@ -225,7 +230,7 @@ def run(a) -> list[dict]:
         if a.profile and rank == 0:
             profile_update(actor, batch, n_local, a.profile, f"{a.shape} {variant} checkpoint ratio {ratio:g}")
         elif a.profile:
-            actor.update(batch, mini_batch_size=n_local, entropy_coef=0.0)  # every rank takes part
+            actor.update(batch, mini_batch_size=n_local)  # every rank takes part
         if distributed:  # the largest over the ranks
             mem_t = torch.tensor([mem or 0.0], device="cuda" if gpu else "cpu")
             dist.all_reduce(mem_t, op=dist.ReduceOp.MAX)

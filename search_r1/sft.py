@@ -281,7 +281,7 @@ def _pack(examples: list[Example], pad_id: int):
 def masked_nll(model, examples: list[Example], pad_id: int, device="cpu") -> tuple[torch.Tensor, int]:
     """(sum of -log p over the model tokens, number of model tokens). Observations, prompt and
     padding never contribute."""
-    from verl.workers.fsdp import forward_packed
+    from verl.workers.packing import forward_packed
     batch = _pack(examples, pad_id).to(device)
     logprobs_BR, _ = forward_packed(model, batch.input_ids_BT, batch.attention_mask_BT, batch.prompt_width)
     return -(logprobs_BR * batch.loss_mask_BR).sum(), int(batch.loss_mask_BR.sum().item())
@@ -339,7 +339,8 @@ def run_sft(model, data: list[Example], out_dir: str | os.PathLike, epochs: int 
     """
     from tqdm import tqdm
 
-    from verl.workers.fsdp import build_causal_lm, build_lr_scheduler, build_optimizer
+    from verl.workers.modeling import build_causal_lm
+    from verl.workers.update import build_lr_scheduler, build_optimizer
 
     if isinstance(model, (str, os.PathLike)):
         from transformers import AutoTokenizer
@@ -423,7 +424,7 @@ def add_parser(subparsers) -> None:
 def sft_command(args) -> None:
     from transformers import AutoTokenizer
 
-    from verl.workers.fsdp import build_causal_lm
+    from verl.workers.modeling import build_causal_lm
 
     model_path = args.model
     if model_path is None:

@@ -101,7 +101,7 @@ def test_questions_without_evidence_are_dropped(tokenizer, train_questions):
 
 
 def test_masked_nll_matches_naive_loop(bundled, tiny_model_dir, tokenizer):
-    from verl.workers.fsdp import build_causal_lm
+    from verl.workers.modeling import build_causal_lm
     model = build_causal_lm(tiny_model_dir)
     e = next(e for e in bundled[0] if e.meta["hops"] == 2)
     with torch.no_grad():
@@ -121,7 +121,7 @@ def test_masked_nll_matches_naive_loop(bundled, tiny_model_dir, tokenizer):
 def test_short_run_learns_saves_and_is_deterministic(bundled, tiny_model_dir, tokenizer, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from verl.workers.fsdp import build_causal_lm
+    from verl.workers.modeling import build_causal_lm
     data = bundled[0][:8]
     kwargs = dict(epochs=3, lr=1e-3, batch_size=4, micro_batch_size=3, max_length=1024, seed=0,
                   warmup_ratio=0.0, device="cpu")

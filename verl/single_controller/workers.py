@@ -5,6 +5,7 @@ The driver calls them through Ray (see ray_group.py); every method takes and ret
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import time
@@ -26,7 +27,7 @@ def _init_process_group(rank: int, world: int, addr: str, port: int, device: str
                       LOCAL_RANK="0")
     # NVLink multicast must stay off on shared hosts.
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    from verl.workers.fsdp import init_distributed
+    from verl.workers.distributed import init_distributed
     init_distributed()
 
 
@@ -95,10 +96,6 @@ def explain_out_of_memory(what: str, rollout):
             f"(trainer.n_gpus_per_node).{copy}") from error
 
 
-def _warmup_steps(optim, total_steps: int) -> int:
-    return int(optim.lr_warmup_steps_ratio * total_steps)
-
-
 def agent_loop_kwargs(cfg: TrainerConfig, device: str) -> dict:
     """The agent loop's settings (beside the engine), for the workers and the driver's preflight."""
     r = cfg.retriever
@@ -148,27 +145,15 @@ class PolicyWorker:
         self.tokenizer = self.engine.tokenizer
         self.agent = load_agent_loop(rollout.agent_loop)(self.engine, **agent_loop_kwargs(cfg, self.device))
         a = arr.actor
-        self.actor = Actor(
-            path, lr=a.optim.lr, weight_decay=a.optim.weight_decay, betas=tuple(a.optim.betas),
-            warmup_steps=_warmup_steps(a.optim, self.total_steps), total_steps=self.total_steps,
-            lr_schedule=a.optim.lr_schedule, min_lr_ratio=a.optim.min_lr_ratio, grad_clip=a.grad_clip,
-            gradient_checkpointing=(arr.model.gradient_checkpointing_ratio
-                                    if arr.model.enable_gradient_checkpointing else 0.0),
-            param_offload=a.fsdp_config.param_offload, optimizer_offload=a.fsdp_config.optimizer_offload,
-            mixed_precision=a.fsdp_config.mixed_precision and self.device == "cuda",
-            unsharded_accumulation=a.fsdp_config.unsharded_accumulation,
-            micro_batch_size=self.sizes.micro_batch_trajectories_per_worker,
-            max_tokens_per_pack=a.max_tokens_per_pack, temperature=rollout.temperature,
-            attn_implementation=arr.model.attn_implementation, use_torch_compile=arr.model.use_torch_compile)
+        self.actor = Actor(arr.model, a, micro_batch_size=self.sizes.micro_batch_trajectories_per_worker,
+                           total_steps=self.total_steps, temperature=rollout.temperature,
+                           seed=cfg.trainer.seed)
         self.reference = None
         if a.use_kl_loss or cfg.algorithm.use_kl_in_reward:
-            self.reference = Reference(path, param_offload=arr.ref.fsdp_config.param_offload,
-                                       mixed_precision=a.fsdp_config.mixed_precision and self.device == "cuda",
+            self.reference = Reference(arr.model, param_offload=arr.ref.fsdp_config.param_offload,
+                                       mixed_precision=a.fsdp_config.mixed_precision,
                                        micro_batch_size=arr.ref.log_prob_micro_batch_size // self.sizes.world,
-                                       max_tokens_per_pack=a.max_tokens_per_pack,
-                                       temperature=rollout.temperature,
-                                       attn_implementation=arr.model.attn_implementation,
-                                       use_torch_compile=arr.model.use_torch_compile)
+                                       max_tokens_per_pack=a.max_tokens_per_pack, temperature=rollout.temperature)
         self._asleep = False
         self.sleep_rollout()
 
@@ -202,7 +187,7 @@ class PolicyWorker:
 
     def sync_weights(self) -> float:
         """Push the actor's current weights into the rollout engine, in memory."""
-        from verl.workers.fsdp import full_state_dict_iter
+        from verl.workers.distributed import full_state_dict_iter
         t0 = time.perf_counter()
         self.wake_rollout()
         # Gathered in the engine's dtype (bf16 on GPU: half the bytes of the fp32 master weights).
@@ -226,12 +211,7 @@ class PolicyWorker:
         return _first(self.reference.compute_logprobs(batch)).cpu()
 
     def update_actor(self, batch: RolloutBatch) -> dict:
-        a = self.cfg.actor_rollout_ref.actor
-        return self.actor.update(
-            batch, ppo_epochs=a.ppo_epochs, mini_batch_size=self.sizes.mini_batch_trajectories_per_worker,
-            clip_low=a.clip_ratio_low, clip_high=a.clip_ratio_high, dual_clip_c=a.clip_ratio_c,
-            loss_agg=a.loss_agg_mode, entropy_coef=a.entropy_coeff, use_kl_loss=a.use_kl_loss,
-            kl_loss_coef=a.kl_loss_coef, kl_loss_type=a.kl_loss_type, state_masking=a.state_masking)
+        return self.actor.update(batch, self.sizes.mini_batch_trajectories_per_worker)
 
     # -- checkpoints ---------------------------------------------------------------------------
 
@@ -257,32 +237,19 @@ class CriticWorker:
 
     def setup(self, master_addr: str, master_port: int) -> None:
         from verl.workers.critic import Critic
-        c = self.cfg.critic
+        cfg = self.cfg
         _init_process_group(self.rank, self.sizes.world, master_addr, master_port, self.device)
-        self.critic = Critic(
-            c.model.path or self.cfg.actor_rollout_ref.model.path, lr=c.optim.lr,
-            weight_decay=c.optim.weight_decay, betas=tuple(c.optim.betas),
-            warmup_steps=_warmup_steps(c.optim, self.total_steps), total_steps=self.total_steps,
-            lr_schedule=c.optim.lr_schedule, min_lr_ratio=c.optim.min_lr_ratio,
-            grad_clip=self.cfg.actor_rollout_ref.actor.grad_clip,
-            gradient_checkpointing=(c.model.gradient_checkpointing_ratio
-                                    if c.model.enable_gradient_checkpointing else 0.0),
-            param_offload=c.model.fsdp_config.param_offload,
-            optimizer_offload=c.model.fsdp_config.optimizer_offload,
-            mixed_precision=c.model.fsdp_config.mixed_precision and self.device == "cuda",
-            unsharded_accumulation=c.model.fsdp_config.unsharded_accumulation,
-            micro_batch_size=self.sizes.critic_micro_trajectories_per_worker,
-            max_tokens_per_pack=self.cfg.actor_rollout_ref.actor.max_tokens_per_pack)
+        c = cfg.critic
+        c = dataclasses.replace(c, model=dataclasses.replace(c.model, path=c.model.path or
+                                                              cfg.actor_rollout_ref.model.path))
+        self.critic = Critic(c, cfg.actor_rollout_ref.actor, micro_batch_size=self.sizes.critic_micro_trajectories_per_worker,
+                             total_steps=self.total_steps, seed=cfg.trainer.seed)
 
     def compute_values(self, batch: RolloutBatch) -> torch.Tensor:
         return self.critic.compute_values(batch).cpu()
 
     def update_critic(self, batch: RolloutBatch) -> dict:
-        a = self.cfg.actor_rollout_ref.actor
-        return self.critic.update(batch, ppo_epochs=a.ppo_epochs,
-                                  mini_batch_size=self.sizes.mini_batch_trajectories_per_worker,
-                                  clip_range_value=self.cfg.critic.cliprange_value,
-                                  loss_agg=a.loss_agg_mode, state_masking=a.state_masking)
+        return self.critic.update(batch, self.sizes.mini_batch_trajectories_per_worker)
 
     def save(self, root: str, step: int, trainer_state: dict, keep_last: int) -> None:
         from verl.trainer.checkpoint import save_checkpoint

@@ -5,7 +5,7 @@ The world-size-2 test spawns two gloo processes running FSDP2 and compares their
 same update on one unsharded process. Why it is exactly equivalent: both runs see one mini-batch of
 the same 8 trajectories per optimizer step (8 on one process, 4 + 4 on two), and the loss of each
 micro-batch is weighted by its share of the mini-batch's loss units summed over ranks (see
-verl/workers/actor.py), so the gradient is the same token-mean over the same tokens however the
+verl/workers/update.py), so the gradient is the same token-mean over the same tokens however the
 trajectories are split — even though the two ranks' halves hold very different token counts (a
 mean of per-rank token-means would differ). Only floating-point summation order differs.
 
@@ -24,21 +24,39 @@ import torch.multiprocessing as mp
 from verl.protocol import RolloutBatch, pack_trajectories
 from verl.workers.actor import Actor, Reference
 from verl.workers.critic import Critic
-from verl.workers.fsdp import (_decoder_layers, _enable_gradient_checkpointing, build_causal_lm, build_value_model,
-                               forward_packed, forward_padded, full_state_dict_iter, plan_packs, values_packed,
-                               values_padded)
+from verl.trainer.config import ActorConfig, CriticConfig, CriticModelConfig, FSDPConfig, ModelConfig, OptimConfig
+from verl.workers.distributed import full_state_dict_iter
+from verl.workers.modeling import (VARLEN_ATTN, _enable_gradient_checkpointing, build_causal_lm, build_value_model,
+                                   decoder_layers)
+from verl.workers.packing import forward_packed, forward_padded, plan_packs, values_packed, values_padded
 
 # Response lengths (first half long, second half short: the two ranks get very different token
 # counts) and prompt lengths, all different so that padding is on both sides of every row.
 RESPONSE_LENS = [30, 22, 27, 19, 3, 1, 6, 2]
 PROMPT_LENS = [4, 11, 1, 7, 9, 2, 13, 5]
 
-ACTOR_KW = dict(lr=1e-3, weight_decay=0.01, grad_clip=1.0, gradient_checkpointing=True, mixed_precision=False,
-                micro_batch_size=2, max_tokens_per_pack=40, temperature=0.9)
-UPDATE_KW = dict(ppo_epochs=2, clip_low=0.2, clip_high=0.28, dual_clip_c=3.0, loss_agg="token-mean",
-                 entropy_coef=0.01, use_kl_loss=True, kl_loss_coef=0.1, kl_loss_type="low_var_kl")
-CRITIC_KW = dict(lr=1e-3, grad_clip=1.0, gradient_checkpointing=False, mixed_precision=False,
-                 micro_batch_size=2, max_tokens_per_pack=40)
+TEMPERATURE = 0.9
+
+
+def actor_config(unsharded: bool = False, **overrides) -> ActorConfig:
+    """The actor's keys of these tests: two epochs, asymmetric and dual clipping, entropy and KL terms."""
+    return ActorConfig(**{**dict(
+        optim=OptimConfig(lr=1e-3, weight_decay=0.01), grad_clip=1.0, max_tokens_per_pack=40, ppo_epochs=2,
+        clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0, loss_agg_mode="token-mean", entropy_coeff=0.01,
+        use_kl_loss=True, kl_loss_coef=0.1, kl_loss_type="low_var_kl",
+        fsdp_config=FSDPConfig(mixed_precision=False, unsharded_accumulation=unsharded)), **overrides})
+
+
+def make_actor(model_dir: str, micro_batch_size: int = 2, unsharded: bool = False, **overrides) -> Actor:
+    return Actor(ModelConfig(path=model_dir, enable_gradient_checkpointing=True),
+                 actor_config(unsharded, **overrides), micro_batch_size=micro_batch_size, temperature=TEMPERATURE)
+
+
+def make_critic(model_dir: str, lr: float = 1e-3, unsharded: bool = False) -> Critic:
+    model = CriticModelConfig(path=model_dir, enable_gradient_checkpointing=False,
+                              fsdp_config=FSDPConfig(mixed_precision=False, unsharded_accumulation=unsharded))
+    return Critic(CriticConfig(model=model, optim=OptimConfig(lr=lr), cliprange_value=0.5),
+                  ActorConfig(grad_clip=1.0, max_tokens_per_pack=40), micro_batch_size=2)
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +91,7 @@ def make_batch(model_dir: str, seed: int = 0) -> RolloutBatch:
     model = build_causal_lm(model_dir)
     with torch.no_grad():
         logprobs_BR, _ = forward_padded(model, batch.input_ids_BT, batch.attention_mask_BT, batch.prompt_width,
-                                        temperature=ACTOR_KW["temperature"])
+                                        temperature=TEMPERATURE)
     B, R = batch.loss_mask_BR.shape
     real_BR = batch.response_mask_BR
     batch.old_logprobs_BR = (logprobs_BR + 0.3 * torch.randn(B, R, generator=g)) * real_BR
@@ -123,14 +141,14 @@ def test_partial_gradient_checkpointing_spreads_layers_and_keeps_gradients():
                             (0.0, [False] * 4), (True, [True] * 4), (False, [False] * 4)):
         model = _four_layer_llama()
         _enable_gradient_checkpointing(model, ratio)
-        assert [layer.gradient_checkpointing for layer in _decoder_layers(model)] == expected, ratio
+        assert [layer.gradient_checkpointing for layer in decoder_layers(model)] == expected, ratio
 
     plain, partial = _four_layer_llama(), _four_layer_llama()
     _enable_gradient_checkpointing(partial, 0.5)
     # A checkpointed layer starts its forward again in backward: counts [2, 1, 2, 1] show that the
     # flags are what the layers obey (a pre-hook: the recompute stops early, before forward hooks).
     calls = [0] * 4
-    for i, layer in enumerate(_decoder_layers(partial)):
+    for i, layer in enumerate(decoder_layers(partial)):
         layer.register_forward_pre_hook(lambda *_, i=i: calls.__setitem__(i, calls[i] + 1))
     ids_BT = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(0))
     for model in (plain, partial):
@@ -179,8 +197,6 @@ def test_packed_equals_padded(tiny_model_dir, batch):
 def test_varlen_attention_equals_padded(tiny_model_dir, batch):
     # The CPU branch of the mask-free varlen attention (SDPA row by row): same log-probs, entropies,
     # gradients and values as the padded forward, with every row of the batch in ONE pack.
-    from verl.workers.fsdp import VARLEN_ATTN
-
     model = build_causal_lm(tiny_model_dir, attn_implementation=VARLEN_ATTN)
     reference = build_causal_lm(tiny_model_dir)
     assert model.config._attn_implementation == VARLEN_ATTN
@@ -207,18 +223,16 @@ def test_varlen_attention_equals_padded(tiny_model_dir, batch):
 
 
 def test_varlen_attention_refuses_a_call_without_row_boundaries(tiny_model_dir):
-    from verl.workers.fsdp import VARLEN_ATTN
-
     model = build_causal_lm(tiny_model_dir, attn_implementation=VARLEN_ATTN)
     with pytest.raises(ValueError, match="cu_seq_lens_q"):
         model(input_ids=torch.tensor([[5, 6, 7]]))
 
 
 def test_compute_logprobs_matches_plain_hf_forward(tiny_model_dir, batch):
-    actor = Actor(tiny_model_dir, **ACTOR_KW)
+    actor = make_actor(tiny_model_dir)
     logprobs_BR, entropy_BR = actor.compute_logprobs_and_entropy(batch)
-    reference = Reference(tiny_model_dir, mixed_precision=False, micro_batch_size=3, max_tokens_per_pack=40,
-                          temperature=ACTOR_KW["temperature"])
+    reference = Reference(ModelConfig(path=tiny_model_dir), mixed_precision=False, micro_batch_size=3,
+                          max_tokens_per_pack=40, temperature=TEMPERATURE)
     torch.testing.assert_close(reference.compute_logprobs(batch), logprobs_BR, atol=1e-5, rtol=0)
 
     from transformers import AutoModelForCausalLM
@@ -228,7 +242,7 @@ def test_compute_logprobs_matches_plain_hf_forward(tiny_model_dir, batch):
         ids = batch.input_ids_BT[i][batch.attention_mask_BT[i].bool()]
         n_prompt = int(batch.attention_mask_BT[i, :P].sum())
         with torch.no_grad():
-            logits = hf(ids[None]).logits[0].float() / ACTOR_KW["temperature"]
+            logits = hf(ids[None]).logits[0].float() / TEMPERATURE
         logp = torch.log_softmax(logits[n_prompt - 1:-1], -1)
         expected = logp.gather(-1, ids[n_prompt:, None])[:, 0]
         expected_entropy = -(logp.exp() * logp).sum(-1)
@@ -241,9 +255,9 @@ def test_compute_logprobs_matches_plain_hf_forward(tiny_model_dir, batch):
 def test_gradient_accumulation_equals_one_big_micro_batch(tiny_model_dir, batch):
     results = []
     for micro in (2, 8):
-        actor = Actor(tiny_model_dir, **{**ACTOR_KW, "micro_batch_size": micro})
+        actor = make_actor(tiny_model_dir, micro_batch_size=micro)
         before = params_of(actor.model)
-        metrics = actor.update(batch, mini_batch_size=8, **UPDATE_KW)
+        metrics = actor.update(batch, mini_batch_size=8)
         results.append((params_of(actor.model), metrics))
     (p_small, m_small), (p_big, m_big) = results
     assert max_diff(p_small, before) > 1e-4  # the update did something
@@ -267,8 +281,8 @@ def test_masked_positions_have_no_influence(tiny_model_dir, batch):
     everything_else.ref_logprobs_BR = torch.where(masked_BR, batch.ref_logprobs_BR + 3.0, batch.ref_logprobs_BR)
 
     def run(b, state_masking):
-        actor = Actor(tiny_model_dir, **ACTOR_KW)
-        metrics = actor.update(b, mini_batch_size=4, state_masking=state_masking, **{**UPDATE_KW, "ppo_epochs": 1})
+        actor = make_actor(tiny_model_dir, state_masking=state_masking, ppo_epochs=1)
+        metrics = actor.update(b, mini_batch_size=4)
         return params_of(actor.model), metrics["grad_norm"]
 
     (p_a, norm_a), (p_b, norm_b) = run(batch, True), run(everything_else, True)
@@ -279,12 +293,12 @@ def test_masked_positions_have_no_influence(tiny_model_dir, batch):
 
 def test_critic_update_reduces_value_loss(tiny_model_dir, batch):
     batch = RolloutBatch(**{**batch.__dict__})  # values_BR is rewritten below
-    critic = Critic(tiny_model_dir, **{**CRITIC_KW, "lr": 3e-3})
+    critic = make_critic(tiny_model_dir, lr=3e-3)
     assert critic.compute_values(batch).abs().max() == 0  # zero-initialised head
     losses = []
     for _ in range(6):
         batch.values_BR = critic.compute_values(batch)  # fresh old values: clipping is around them
-        metrics = critic.update(batch, mini_batch_size=4, clip_range_value=0.5)
+        metrics = critic.update(batch, mini_batch_size=4)
         losses.append(metrics["vf_loss"])
     assert losses[-1] < 0.5 * losses[0], losses
     assert set(metrics) >= {"vf_loss", "vf_clipfrac", "grad_norm", "lr"}
@@ -305,18 +319,18 @@ def _fsdp_rank(rank, world, port, model_dir, batch_path, out_dir, unsharded):
     torch.set_num_threads(1)
     import torch.distributed as dist
 
-    from verl.workers.fsdp import init_distributed
+    from verl.workers.distributed import init_distributed
     init_distributed(timeout_minutes=2)  # a collective mismatch fails the test instead of hanging it
     try:
         part = torch.load(batch_path, weights_only=False).split(world)[rank]
-        actor = Actor(model_dir, **ACTOR_KW, unsharded_accumulation=unsharded)
+        actor = make_actor(model_dir, unsharded=unsharded)
         logprobs_BR = actor.compute_logprobs(part)
-        actor_metrics = actor.update(part, mini_batch_size=len(part), **UPDATE_KW)
+        actor_metrics = actor.update(part, mini_batch_size=len(part))
         actor_params = params_of(actor.model)  # a collective: every rank iterates
         # as the weight push gathers them: shards cast to bf16 first
         actor_params_bf16 = {n: t.clone() for n, t in full_state_dict_iter(actor.model, dtype=torch.bfloat16)}
-        critic = Critic(model_dir, **CRITIC_KW, unsharded_accumulation=unsharded)
-        critic_metrics = critic.update(part, mini_batch_size=len(part), clip_range_value=0.5)
+        critic = make_critic(model_dir, unsharded=unsharded)
+        critic_metrics = critic.update(part, mini_batch_size=len(part))
         critic_params = params_of(critic.model)
         torch.save(dict(logprobs_BR=logprobs_BR, actor_metrics=actor_metrics, actor_params=actor_params,
                         actor_params_bf16=actor_params_bf16, critic_metrics=critic_metrics, critic_params=critic_params), f"{out_dir}/rank{rank}.pt")
@@ -324,7 +338,7 @@ def _fsdp_rank(rank, world, port, model_dir, batch_path, out_dir, unsharded):
         dist.destroy_process_group()
 
 
-# unsharded: full weights and gradients kept across micro-batches (fsdp.accumulation_steps), the same update
+# unsharded: full weights and gradients kept across micro-batches (distributed.accumulation_steps), the same update
 @pytest.mark.e2e  # two processes
 @pytest.mark.parametrize("unsharded", [False, True])
 def test_fsdp_world_size_2_matches_single_process(tiny_model_dir, batch, tmp_path, unsharded):
@@ -333,12 +347,12 @@ def test_fsdp_world_size_2_matches_single_process(tiny_model_dir, batch, tmp_pat
              nprocs=2, join=True)
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
 
-    actor = Actor(tiny_model_dir, **ACTOR_KW)
+    actor = make_actor(tiny_model_dir)
     logprobs_BR = actor.compute_logprobs(batch)
     before = params_of(actor.model)
-    actor_metrics = actor.update(batch, mini_batch_size=len(batch), **UPDATE_KW)
-    critic = Critic(tiny_model_dir, **CRITIC_KW)
-    critic_metrics = critic.update(batch, mini_batch_size=len(batch), clip_range_value=0.5)
+    actor_metrics = actor.update(batch, mini_batch_size=len(batch))
+    critic = make_critic(tiny_model_dir)
+    critic_metrics = critic.update(batch, mini_batch_size=len(batch))
 
     torch.testing.assert_close(torch.cat([r["logprobs_BR"] for r in ranks]), logprobs_BR, atol=1e-5, rtol=0)
     for r in ranks:

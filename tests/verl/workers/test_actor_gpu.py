@@ -15,7 +15,10 @@ import torch.multiprocessing as mp
 from verl.protocol import pack_trajectories
 from verl.workers.actor import Actor, Reference
 from verl.workers.critic import Critic
-from verl.workers.fsdp import (build_causal_lm, forward_packed, forward_padded, full_state_dict_iter)
+from verl.trainer.config import ActorConfig, CriticConfig, CriticModelConfig, FSDPConfig, ModelConfig, OptimConfig
+from verl.workers.distributed import full_state_dict_iter
+from verl.workers.modeling import VARLEN_ATTN, build_causal_lm, pick_attn_implementation
+from verl.workers.packing import forward_packed, forward_padded
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
@@ -23,8 +26,15 @@ two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two G
 VOCAB = 1000
 RESPONSE_LENS = [60, 44, 54, 38, 6, 2, 12, 4]
 PROMPT_LENS = [8, 22, 2, 14, 18, 4, 26, 10]
-UPDATE_KW = dict(ppo_epochs=2, clip_low=0.2, clip_high=0.28, loss_agg="token-mean", entropy_coef=0.01,
-                 use_kl_loss=True, kl_loss_coef=0.1)
+
+
+def make_actor(model_dir: str, mixed_precision: bool, max_tokens_per_pack: int = 16384, **fsdp) -> Actor:
+    """Two epochs, asymmetric clipping, entropy and KL terms; `fsdp`: FSDPConfig keys (offloads)."""
+    cfg = ActorConfig(optim=OptimConfig(lr=1e-3), ppo_epochs=2, clip_ratio_low=0.2, clip_ratio_high=0.28,
+                      loss_agg_mode="token-mean", entropy_coeff=0.01, use_kl_loss=True, kl_loss_coef=0.1,
+                      max_tokens_per_pack=max_tokens_per_pack,
+                      fsdp_config=FSDPConfig(mixed_precision=mixed_precision, **fsdp))
+    return Actor(ModelConfig(path=model_dir), cfg, micro_batch_size=2)
 
 
 @pytest.fixture(scope="module")
@@ -82,8 +92,6 @@ def test_varlen_flash_attention_on_gpu(model_dir):
     # torch's FlashAttention varlen kernel (the default attention on CUDA in bf16 without the
     # flash-attn package): one pack, no mask; same log-probs as SDPA on the padded batch in bf16,
     # and gradients that agree.
-    from verl.workers.fsdp import VARLEN_ATTN, pick_attn_implementation
-
     assert pick_attn_implementation(True) in (VARLEN_ATTN, "flash_attention_2")
     varlen = build_causal_lm(model_dir, attn_implementation=VARLEN_ATTN).cuda()
     plain = build_causal_lm(model_dir).cuda()
@@ -111,37 +119,38 @@ def _rank(rank, world, port, model_dir, batch_path, out_dir):
                       MASTER_PORT=str(port))
     import torch.distributed as dist
 
-    from verl.workers.fsdp import init_distributed
+    from verl.workers.distributed import init_distributed
     init_distributed(timeout_minutes=3)
     try:
         part = torch.load(batch_path, weights_only=False).split(world)[rank]
         out = {}
         # fp32, compared with one unsharded GPU
-        actor = Actor(model_dir, lr=1e-3, mixed_precision=False, micro_batch_size=2, max_tokens_per_pack=100)
+        actor = make_actor(model_dir, mixed_precision=False, max_tokens_per_pack=100)
         out["logprobs_fp32"] = actor.compute_logprobs(part)
-        out["metrics_fp32"] = actor.update(part, mini_batch_size=len(part), **UPDATE_KW)
+        out["metrics_fp32"] = actor.update(part, mini_batch_size=len(part))
         out["params_fp32"] = {n: t.cpu() for n, t in full_state_dict_iter(actor.model)}
         del actor
         # bf16 compute, sharded parameters on the CPU, two updates (optimizer state reused)
-        actor = Actor(model_dir, lr=1e-3, mixed_precision=True, param_offload=True, micro_batch_size=2,
-                      max_tokens_per_pack=100)
+        actor = make_actor(model_dir, mixed_precision=True, max_tokens_per_pack=100, param_offload=True)
         out["logprobs_bf16"] = actor.compute_logprobs(part)
-        out["metrics_offload"] = [actor.update(part, mini_batch_size=2, **UPDATE_KW) for _ in range(2)]
+        out["metrics_offload"] = [actor.update(part, mini_batch_size=2) for _ in range(2)]
         names = [n for n, _ in full_state_dict_iter(actor.model, dtype=torch.bfloat16)]
         out["names"] = names
         del actor
         # optimizer state parked on the CPU between updates
-        actor = Actor(model_dir, lr=1e-3, mixed_precision=True, optimizer_offload=True, micro_batch_size=2)
-        out["metrics_opt_offload"] = [actor.update(part, mini_batch_size=2, **UPDATE_KW) for _ in range(2)]
+        actor = make_actor(model_dir, mixed_precision=True, optimizer_offload=True)
+        out["metrics_opt_offload"] = [actor.update(part, mini_batch_size=2) for _ in range(2)]
         state = next(iter(actor.optimizer.state.values()))
         out["opt_state_device"] = state["exp_avg"].to_local().device.type
         out["gpu_param_device"] = next(actor.model.parameters()).to_local().device.type
         del actor
-        reference = Reference(model_dir, param_offload=True, micro_batch_size=2, max_tokens_per_pack=100)
+        reference = Reference(ModelConfig(path=model_dir), param_offload=True, micro_batch_size=2, max_tokens_per_pack=100)
         out["ref_logprobs"] = reference.compute_logprobs(part)
         del reference
-        critic = Critic(model_dir, lr=1e-3, param_offload=True, micro_batch_size=2)
-        out["critic_metrics"] = [critic.update(part, mini_batch_size=4, clip_range_value=10.0) for _ in range(4)]
+        critic = Critic(CriticConfig(model=CriticModelConfig(path=model_dir, fsdp_config=FSDPConfig(param_offload=True)),
+                                     optim=OptimConfig(lr=1e-3), cliprange_value=10.0),
+                        ActorConfig(), micro_batch_size=2)
+        out["critic_metrics"] = [critic.update(part, mini_batch_size=4) for _ in range(4)]
         torch.save(out, f"{out_dir}/rank{rank}.pt")
     finally:
         dist.destroy_process_group()
@@ -151,14 +160,14 @@ def _rank(rank, world, port, model_dir, batch_path, out_dir):
 def test_fsdp_nccl_two_gpus(model_dir, tmp_path):
     torch.manual_seed(0)
     batch = make_batch()
-    single = Actor(model_dir, lr=1e-3, mixed_precision=False, micro_batch_size=2, max_tokens_per_pack=100)
+    single = make_actor(model_dir, mixed_precision=False, max_tokens_per_pack=100)
     logprobs_BR = single.compute_logprobs(batch)
     batch = with_old_logprobs(batch, logprobs_BR)
     torch.save(batch, tmp_path / "batch.pt")
     mp.spawn(_rank, args=(2, _free_port(), model_dir, str(tmp_path / "batch.pt"), str(tmp_path)), nprocs=2, join=True)
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
 
-    metrics = single.update(batch, mini_batch_size=len(batch), **UPDATE_KW)
+    metrics = single.update(batch, mini_batch_size=len(batch))
     params = {n: p.detach().cpu() for n, p in single.model.named_parameters()}
     torch.testing.assert_close(torch.cat([r["logprobs_fp32"] for r in ranks]), logprobs_BR, atol=1e-4, rtol=0)
     for r in ranks:

@@ -1,0 +1,238 @@
+"""The update loop shared by Actor and Critic (`TrainedModel`) and its helpers: gradient clipping
+over shards, AdamW, the learning-rate schedule, optimizer-state offload, loss units, mini-batches."""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from verl.protocol import RolloutBatch
+from verl.trainer.core_algos import LossAgg
+from verl.workers.distributed import comm_device
+
+logger = logging.getLogger(__name__)
+
+
+def clip_grad_norm_(parameters, max_norm: float | None) -> float:
+    """Global L2 norm of the gradients over all ranks, and clip them to `max_norm` (None: no clip).
+
+    Written out instead of `torch.nn.utils.clip_grad_norm_` because it must also work with
+    CPU-offloaded FSDP2 shards (the DTensor reduction would try NCCL on CPU tensors). FSDP2 shards
+    every parameter over all ranks with no overlap, so the global squared norm is the sum over
+    ranks of the local shards' squared norms. Returns the norm before clipping (inf/nan pass
+    through: the caller skips the step).
+    """
+    parameters = [p for p in parameters if p.grad is not None]
+    grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in parameters]
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for g in grads:
+        by_device.setdefault(g.device, []).append(g.detach())
+    sq = torch.zeros((), dtype=torch.float64, device=comm_device())
+    for gs in by_device.values():  # one host transfer per device, not per parameter
+        norms = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in gs])
+        sq += norms.double().pow(2).sum().to(sq.device)
+    if dist.is_initialized() and any(isinstance(p.grad, DTensor) for p in parameters):
+        dist.all_reduce(sq)
+    total = math.sqrt(sq.item())
+    if max_norm is not None and max_norm > 0 and math.isfinite(total) and total > max_norm:
+        scale = max_norm / (total + 1e-6)
+        for g in grads:
+            g.mul_(scale)
+    return total
+
+
+def build_optimizer(model: nn.Module, lr: float, weight_decay: float, betas: tuple[float, float]):
+    # Weight decay on all parameters (norm weights and biases included): simple, and what the
+    # original Search-R1 (verl) runs did.
+    params = list(model.parameters())
+    # The fused CUDA kernel: one launch per step instead of a few per parameter tensor.
+    fused = bool(params) and all(p.device.type == "cuda" for p in params)
+    return torch.optim.AdamW(params, lr=lr, betas=tuple(betas), weight_decay=weight_decay, fused=fused or None)
+
+
+@dataclass
+class LRFactor:
+    """Multiplier of the base learning rate at scheduler step `step` (one step per training step):
+    linear warm-up from 1/warmup_steps to 1, then constant or cosine down to `min_lr_ratio` at
+    `total_steps`. A callable object (not a lambda) so LambdaLR's state_dict can save it."""
+    warmup_steps: int
+    total_steps: int | None
+    schedule: str
+    min_lr_ratio: float
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup_steps:
+            return (step + 1) / self.warmup_steps
+        if self.schedule == "constant":
+            return 1.0
+        progress = min(1.0, (step - self.warmup_steps) / max(1, self.total_steps - self.warmup_steps))
+        return self.min_lr_ratio + (1.0 - self.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def build_lr_scheduler(optimizer, warmup_steps: int, total_steps: int | None, schedule: str, min_lr_ratio: float):
+    if schedule not in ("constant", "cosine"):
+        raise ValueError(f"lr_schedule={schedule!r}: use 'constant' or 'cosine'")
+    if schedule == "cosine" and not total_steps:
+        raise ValueError("lr_schedule='cosine' needs total_steps (the number of training steps)")
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, LRFactor(warmup_steps, total_steps, schedule, min_lr_ratio))
+
+
+def move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
+    """Move the optimizer's state tensors (Adam moments: twice the parameters' size) to `device`.
+    Used to park them on the CPU between updates. Blocking copies: simple and always correct.
+    0-dim tensors (Adam's step counters) stay where the optimizer keeps them (the CPU).
+
+    `DTensor.to` moves the local shard and keeps the sharding (a DTensor whose shard is on the CPU
+    while its mesh is on CUDA, like FSDP2's own CPU-offloaded parameters); `DTensor.from_local`
+    would not do: it moves the shard to the mesh's device."""
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and value.dim() > 0:
+                state[key] = value.to(device)
+
+
+def loss_units(mask_BR: torch.Tensor, agg: str) -> float:
+    """What `agg_loss(…, mask_BR, agg)` averages over: unmasked tokens for token-mean, sequences
+    with at least one unmasked token for the seq-mean modes."""
+    if LossAgg(agg) == LossAgg.TOKEN_MEAN:
+        return float(mask_BR.sum())
+    return float((mask_BR.sum(-1) > 0).sum())
+
+
+def check_batch_sizes(n_trajectories: int, mini_batch_size: int, micro_batch_size: int, role: str) -> None:
+    if mini_batch_size <= 0 or n_trajectories % mini_batch_size:
+        raise ValueError(
+            f"{role}: {n_trajectories} trajectories on this process cannot be split into mini-batches of "
+            f"{mini_batch_size}: make the trajectories per step divisible by ppo_mini_batch_size")
+    if mini_batch_size % micro_batch_size:
+        raise ValueError(
+            f"{role}: mini-batch of {mini_batch_size} trajectories is not divisible by the micro-batch size "
+            f"{micro_batch_size}: change ppo_micro_batch_size or ppo_mini_batch_size")
+
+
+def shuffled_mini_batches(batch: RolloutBatch, mini_batch_size: int, seed: int, shuffle: bool) -> list[RolloutBatch]:
+    """The batch's rows in a seeded random order (same seed, same order: runs are reproducible and
+    resumable), cut into mini-batches."""
+    if shuffle:
+        order = torch.randperm(len(batch), generator=torch.Generator().manual_seed(seed))
+    else:
+        order = torch.arange(len(batch))
+    return [batch.select(order[i:i + mini_batch_size]) for i in range(0, len(batch), mini_batch_size)]
+
+
+# ---------------------------------------------------------------------------------------------------
+# The update loop
+
+
+MicroLoss = Callable[[RolloutBatch, torch.Tensor], tuple[torch.Tensor, dict[str, float]]]
+
+
+class TrainedModel:
+    """A model being trained, with AdamW, its learning-rate schedule and the update loop that actor
+    and critic share. Subclasses build the model and say how a micro-batch's loss is computed.
+
+    Weights, optimizer and scheduler are public attributes (`model`, `optimizer`, `scheduler`):
+    checkpointing (torch.distributed.checkpoint) and the weight push to the rollout engine work on
+    them directly.
+
+    Batch sizes are in trajectories and per process: `mini_batch_size` trajectories per optimizer
+    step, `micro_batch_size` per forward/backward. One `update` call is one training step: `ppo_epochs`
+    passes over the process's trajectories, each a sequence of optimizer steps on shuffled
+    mini-batches; the learning-rate scheduler steps once per call (so warm-up and decay count
+    training steps, whatever the number of mini-batches and epochs).
+
+    Loss scaling (gradient accumulation and data parallelism). Each mini-batch must get the gradient
+    of ONE loss: the chosen aggregation (`core_algos.agg_loss`) over all its trajectories on all
+    ranks. Every aggregation is a mean over "units": tokens for token-mean, sequences that have at
+    least one unmasked token for the seq-mean modes. A micro-batch's aggregated loss is the mean over
+    its own units, so it is scaled by
+
+        weight = units(micro-batch) / units(mini-batch, summed over ranks) × world_size
+
+    (the × world_size undoes FSDP's averaging of gradients over ranks). Summed over micro-batches and
+    averaged over ranks this gives exactly Σ unit losses / Σ units, so the update does not depend on
+    how trajectories are split into micro-batches or ranks — in particular, ranks with different token
+    counts are weighted by tokens for token-mean (a plain mean of per-rank means would not be). The
+    cost is one scalar all-reduce per mini-batch.
+    """
+
+    role = "model"  # names the role in errors and warnings
+
+    def __init__(self, model: nn.Module, optim, fsdp, *, total_steps: int | None, grad_clip: float | None,
+                 micro_batch_size: int, ppo_epochs: int, loss_agg: str, state_masking: bool, seed: int):
+        """`optim`: an OptimConfig, `fsdp`: an FSDPConfig (verl.trainer.config)."""
+        from verl.workers.distributed import compute_device
+        self.device = compute_device()
+        self.model = model
+        self.optimizer = build_optimizer(model, optim.lr, optim.weight_decay, tuple(optim.betas))
+        warmup_steps = int(optim.lr_warmup_steps_ratio * total_steps) if total_steps else 0
+        self.scheduler = build_lr_scheduler(self.optimizer, warmup_steps, total_steps, optim.lr_schedule,
+                                            optim.min_lr_ratio)
+        self.grad_clip = grad_clip
+        # Offloading the optimizer state only helps while the parameters are on the GPU.
+        self.optimizer_offload = fsdp.optimizer_offload and torch.cuda.is_available() and not fsdp.param_offload
+        self.unsharded_accumulation = fsdp.unsharded_accumulation
+        self.micro_batch_size = micro_batch_size
+        self.ppo_epochs = ppo_epochs
+        self.loss_agg = LossAgg(loss_agg).value  # fail at construction on an unknown name
+        self.state_masking = state_masking
+        self.seed = seed
+
+    def loss_mask(self, batch: RolloutBatch) -> torch.Tensor:
+        """Tokens that count in the loss: the model's own (`state_masking`, the default) or every
+        response token (the paper's ablation that trains on retrieved tokens too)."""
+        return batch.loss_mask_BR if self.state_masking else batch.response_mask_BR
+
+    def run_update(self, batch: RolloutBatch, mini_batch_size: int, micro_loss: MicroLoss,
+                   shuffle: bool = True) -> dict[str, float]:
+        """One training step: `micro_loss(micro, mask_BR) -> (loss, stats)` for every micro-batch,
+        gradients accumulated over a mini-batch, one optimizer step per mini-batch. Returns the
+        stats averaged over micro-batches, grad_norm averaged over optimizer steps, and lr."""
+        from verl.workers.distributed import accumulation_steps, all_reduce_scalar, world_size
+        check_batch_sizes(len(batch), mini_batch_size, self.micro_batch_size, self.role)
+        if self.optimizer_offload:
+            move_optimizer_state(self.optimizer, self.device)
+        self.model.train()
+        sums: dict[str, float] = {}
+        n_micro, grad_norms = 0, []
+        step = self.scheduler.last_epoch
+        lr = self.scheduler.get_last_lr()[0]
+        for epoch in range(self.ppo_epochs):
+            for mini in shuffled_mini_batches(batch, mini_batch_size, self.seed + 100_003 * step + epoch, shuffle):
+                total_units = all_reduce_scalar(loss_units(self.loss_mask(mini), self.loss_agg))
+                self.optimizer.zero_grad(set_to_none=True)
+                micros = mini.split(mini_batch_size // self.micro_batch_size)
+                for micro in accumulation_steps(self.model, micros, self.unsharded_accumulation):
+                    micro = micro.to(self.device)
+                    mask_BR = self.loss_mask(micro)
+                    weight = loss_units(mask_BR, self.loss_agg) / total_units * world_size() if total_units > 0 else 0.0
+                    loss, stats = micro_loss(micro, mask_BR)
+                    (loss * weight).backward()
+                    for k, v in stats.items():
+                        sums[k] = sums.get(k, 0.0) + v
+                    n_micro += 1
+                grad_norms.append(self._optimizer_step())
+        self.scheduler.step()
+        if self.optimizer_offload:
+            move_optimizer_state(self.optimizer, torch.device("cpu"))
+        metrics = {k: v / max(1, n_micro) for k, v in sums.items()}
+        metrics["grad_norm"] = sum(grad_norms) / len(grad_norms)
+        metrics["lr"] = lr
+        return metrics
+
+    def _optimizer_step(self) -> float:
+        grad_norm = clip_grad_norm_(list(self.model.parameters()), self.grad_clip)
+        if math.isfinite(grad_norm):
+            self.optimizer.step()
+        else:  # one bad batch must not destroy the weights; every rank sees the same global norm
+            logger.warning("%s: gradient norm is %s, skipping this optimizer step", self.role, grad_norm)
+        self.optimizer.zero_grad(set_to_none=True)
+        return grad_norm
