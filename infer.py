@@ -67,7 +67,7 @@ def main(argv=None) -> int:
 
     model = args.model
     if model is None:
-        from search_r1.models import materialize_smollm2
+        from search_r1.local_models import materialize_smollm2
         model = materialize_smollm2(os.path.join(os.path.expanduser("~"), ".cache", "search_r1", "smollm2"))
     if args.engine == "vllm":
         engine = VLLMEngine(model, max_model_len=args.max_response_length + 1024)
@@ -84,7 +84,7 @@ def main(argv=None) -> int:
         print(colourise(text, state, colour), end="", flush=True)
 
     agent = SearchAgent(engine, searcher, AgentConfig(max_turns=args.max_turns, topk=args.topk,
-                                                      max_response_length=args.max_response_length),
+                                                      max_response_tokens=args.max_response_length),
                         on_event=show)
 
     def ask(question: str):

@@ -66,7 +66,7 @@ def make_model(path: Path, shape: str) -> Path:
 
 def make_batch(n: int, vocab: int, seed: int):
     """Trajectories shaped like multi-turn search rollouts: observations (masked) between model turns."""
-    from verl.protocol import pack_trajectories
+    from verl.batch import pack_trajectories
 
     g = torch.Generator().manual_seed(seed)
     prompts, responses, masks = [], [], []

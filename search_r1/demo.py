@@ -262,7 +262,7 @@ def main(argv=None) -> int:
     signal.signal(signal.SIGTERM, _interrupt)
     try:
         from search_r1.data.bundled import bundled_paths
-        from search_r1.models import materialize_smollm2
+        from search_r1.local_models import materialize_smollm2
         say("1/7 converting the bundled SmolLM2-135M-Instruct")
         model = Path(materialize_smollm2(out / "smollm2"))
         paths = bundled_paths()

@@ -238,28 +238,25 @@ def resolve_model(model: str, base_model: str | None, out: str | os.PathLike) ->
 def build_engine(cfg: EvalConfig, model: str, max_model_len: int):
     import torch
 
-    from verl.workers.rollout.engines import HFEngine, VLLMEngine
+    from verl.workers.rollout.engines import create_engine
 
+    if cfg.engine != "vllm":
+        return create_engine(cfg.engine, model, seed=cfg.seed, key="--engine")
     on_gpu = torch.cuda.is_available()
-    if cfg.engine == "hf":
-        return HFEngine(model, device="cuda" if on_gpu else "cpu",
-                        dtype="bfloat16" if on_gpu else "float32", seed=cfg.seed)
-    if cfg.engine == "vllm":
-        from transformers import AutoConfig
-        positions = getattr(AutoConfig.from_pretrained(model), "max_position_embeddings", None)
-        if positions and max_model_len > positions:  # vLLM refuses a longer max_model_len
-            log.warning("prompt + response budget = %d tokens exceeds the model's %d positions: long responses "
-                        "will be cut (lower --max-turns, --max-response-length or --max-obs-length)",
-                        max_model_len, positions)
-            max_model_len = positions
-        kw = {} if on_gpu else {"kv_cache_memory_bytes": 1 << 30}  # no share-of-RAM probing on CPU
-        core = cfg.engine_core or ("separate" if on_gpu else "in_process")
-        if core not in ("in_process", "separate"):
-            raise ValueError(f"--engine-core {core!r}: use in_process or separate")
-        return VLLMEngine(model, seed=cfg.seed, max_model_len=max_model_len,
-                          gpu_memory_utilization=cfg.gpu_memory_utilization, separate_core=core == "separate",
-                          enforce_eager=cfg.enforce_eager, **kw)
-    raise ValueError(f"--engine {cfg.engine!r}: use vllm or hf")
+    from transformers import AutoConfig
+    positions = getattr(AutoConfig.from_pretrained(model), "max_position_embeddings", None)
+    if positions and max_model_len > positions:  # vLLM refuses a longer max_model_len
+        log.warning("prompt + response budget = %d tokens exceeds the model's %d positions: long responses "
+                    "will be cut (lower --max-turns, --max-response-length or --max-obs-length)",
+                    max_model_len, positions)
+        max_model_len = positions
+    kw = {} if on_gpu else {"kv_cache_memory_bytes": 1 << 30}  # no share-of-RAM probing on CPU
+    core = cfg.engine_core or ("separate" if on_gpu else "in_process")
+    if core not in ("in_process", "separate"):
+        raise ValueError(f"--engine-core {core!r}: use in_process or separate")
+    return create_engine("vllm", model, seed=cfg.seed, max_model_len=max_model_len,
+                         gpu_memory_utilization=cfg.gpu_memory_utilization, separate_core=core == "separate",
+                         enforce_eager=cfg.enforce_eager, **kw)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -316,7 +313,7 @@ def generate(cfg: EvalConfig, engine, prompts: list[list[int]]) -> list[dict]:
     """Per prompt: the response text and the agent's counts."""
     from tqdm import tqdm
 
-    from search_r1.agent.loop import STOP, AgentConfig, Finish, HTTPSearcher, Schedule, SearchAgent
+    from search_r1.agent.loop import STOP, AgentConfig, Finish, HTTPSearcher, Schedule, SearchAgent, response_budget
     from search_r1.retrieval.client import RetrieverConfig
     from verl.workers.rollout.engines import SamplingConfig
 
@@ -326,13 +323,13 @@ def generate(cfg: EvalConfig, engine, prompts: list[list[int]]) -> list[dict]:
 
     agent = None
     if cfg.mode == Mode.SEARCH:
-        # The whole response may hold every turn's generation and observation.
-        budget = (cfg.max_turns + 1) * cfg.max_response_length + cfg.max_turns * cfg.max_obs_length
         schedule = Schedule(cfg.schedule)
-        if schedule == Schedule.CONTINUOUS and not hasattr(engine, "submit"):
+        if schedule == Schedule.CONTINUOUS and not engine.continuous:
             schedule = Schedule.SYNC  # only vLLM adds requests to a running batch
         agent = SearchAgent(engine, HTTPSearcher(RetrieverConfig(url=cfg.retriever_url, topk=cfg.topk)),
-                            AgentConfig(max_turns=cfg.max_turns, max_response_length=budget,
+                            AgentConfig(max_turns=cfg.max_turns,
+                                        max_response_tokens=response_budget(cfg.max_turns, cfg.max_response_length,
+                                                                            cfg.max_obs_length),
                                         max_obs_length=cfg.max_obs_length, topk=cfg.topk, schedule=schedule))
     results = []
     for lo in tqdm(range(0, len(prompts), cfg.batch_size), desc=f"eval {cfg.mode}", unit="batch"):
@@ -372,9 +369,10 @@ def run_eval(cfg: EvalConfig, engine=None) -> dict:
              ", ".join(dict.fromkeys(q.data_source for q in questions)), max(map(len, prompts)))
     own_engine = engine is None
     if own_engine:
-        response_budget = (cfg.max_turns + 1) * cfg.max_response_length + cfg.max_turns * cfg.max_obs_length
-        engine = build_engine(cfg, model, max(map(len, prompts)) + (
-            response_budget if cfg.mode == Mode.SEARCH else cfg.max_response_length))
+        from search_r1.agent.loop import response_budget
+        longest = (response_budget(cfg.max_turns, cfg.max_response_length, cfg.max_obs_length)
+                   if cfg.mode == Mode.SEARCH else cfg.max_response_length)
+        engine = build_engine(cfg, model, max(map(len, prompts)) + longest)
     start = time.perf_counter()
     try:
         results = generate(cfg, engine, prompts)

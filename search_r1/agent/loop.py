@@ -33,6 +33,7 @@ from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Protocol
 
+from verl.workers.rollout.agent_loop import AgentLoopSettings, PreflightError, TrajectoryStats
 from verl.workers.rollout.engines import SamplingConfig
 
 log = logging.getLogger(__name__)
@@ -61,7 +62,8 @@ class Schedule(StrEnum):
 @dataclass
 class AgentConfig:
     max_turns: int = 4                # searches allowed per trajectory
-    max_response_length: int = 1024   # tokens after the prompt: model tokens + observations
+    max_response_tokens: int = 1024   # tokens after the prompt, all turns: model tokens + observations
+                                      # (response_budget gives the one that fits every turn)
     max_obs_length: int = 512         # tokens per observation
     topk: int = 3                     # passages per search
     # A policy can write a query of thousands of characters; a server refuses those (HTTP 400) and,
@@ -72,7 +74,7 @@ class AgentConfig:
     # continuous: turns ready to go on join the running batch together, every this many engine
     # steps. A step that carries a prefill is slower than a decode-only step (vLLM replays a whole
     # CUDA graph only for the latter): admitting one turn per step made every step such a step.
-    admit_every_steps: int = 8
+    admit_every_steps: int = 32
 
 
 @dataclass
@@ -96,11 +98,19 @@ class Trajectory:
         self.response_ids += ids
         self.loss_mask += [int(model)] * len(ids)
 
-    def stats(self) -> dict:
-        return {"turns": self.turns, "searches": self.searches, "valid_actions": self.valid_actions,
-                "invalid_actions": self.invalid_actions, "finish": str(self.finish),
-                "retrieval_failed": self.retrieval_failed, "retrieval_s": round(self.retrieval_s, 4),
-                "response_tokens": len(self.response_ids), "model_tokens": sum(self.loss_mask)}
+    def stats(self) -> TrajectoryStats:
+        return TrajectoryStats(
+            str(self.finish), len(self.response_ids), sum(self.loss_mask), tool_calls=self.searches,
+            tool_failed=self.retrieval_failed,
+            # retrieval_s: seconds this trajectory waited for passages (overlapped with others' turns)
+            metrics={"turns": self.turns, "searches": self.searches, "valid_actions": self.valid_actions,
+                     "invalid_actions": self.invalid_actions, "retrieval_s": round(self.retrieval_s, 4)})
+
+
+def response_budget(max_turns: int, max_tokens_per_turn: int, max_obs_length: int) -> int:
+    """The most tokens a trajectory can hold after its prompt: a generation for every search and one
+    for the answer, and an observation for every search."""
+    return (max_turns + 1) * max_tokens_per_turn + max_turns * max_obs_length
 
 
 class Searcher(Protocol):
@@ -195,14 +205,14 @@ class SearchAgent:
 
     def _add_observation(self, t: Trajectory, query: str, hits: list[dict] | None):
         ids = self._encode(INVALID_ACTION) if query == "" else self._observation_ids(hits)
-        if len(t.response_ids) + len(ids) >= self.cfg.max_response_length:
+        if len(t.response_ids) + len(ids) >= self.cfg.max_response_tokens:
             t.finish = Finish.LENGTH  # no room left to read it and answer: cut here
             return
         t.append(ids, model=False)
         self.on_event(t, "observation", ids)
 
     def _sampling(self, t: Trajectory, base: SamplingConfig) -> SamplingConfig:
-        room = self.cfg.max_response_length - len(t.response_ids)
+        room = self.cfg.max_response_tokens - len(t.response_ids)
         return replace(base, max_tokens=max(1, min(base.max_tokens, room)))  # keeps seed, logit_bias
 
     # -- schedules ----------------------------------------------------------------------------
@@ -212,7 +222,7 @@ class SearchAgent:
         if self.cfg.schedule == Schedule.ASYNC:
             asyncio.run(self._run_async(trajectories, sampling))
         elif self.cfg.schedule == Schedule.CONTINUOUS:
-            if not hasattr(self.engine, "submit"):
+            if not self.engine.continuous:
                 raise ValueError(f"the continuous schedule needs an engine with submit/step (vLLM); "
                                  f"{type(self.engine).__name__} has none: use schedule 'sync' or 'async'")
             self._run_continuous(trajectories, sampling)
@@ -352,47 +362,58 @@ class SearchAgent:
 
 class SearchAgentLoop:
     """The search agent as a trainer agent loop
-    (`actor_rollout_ref.rollout.agent_loop=search_r1.agent.loop:SearchAgentLoop`)."""
+    (`actor_rollout_ref.rollout.agent_loop=search_r1.agent.loop:SearchAgentLoop`).
 
-    def __init__(self, engine, max_turns: int = 4, max_response_length: int = 500,
-                 max_obs_length: int = 500, retriever_url: str = "http://127.0.0.1:8000/retrieve",
-                 topk: int = 3, schedule: str = "sync", admit_every_steps: int = 8,
-                 retriever_api_key: str | None = None, retriever_timeout_s: float = 30.0,
-                 retriever_connect_timeout_s: float = 5.0, retriever_retries: int = 5, **_ignored):
-        from search_r1.retrieval.client import RetrieverConfig
-        # The whole response may hold every turn's generation and observation.
-        budget = (max_turns + 1) * max_response_length + max_turns * max_obs_length
-        cfg = AgentConfig(max_turns=max_turns, max_response_length=budget, max_obs_length=max_obs_length,
-                          topk=topk, schedule=Schedule(schedule), admit_every_steps=admit_every_steps)
-        retriever = RetrieverConfig(url=retriever_url, topk=topk, api_key=retriever_api_key,
-                                    timeout_s=retriever_timeout_s, connect_timeout_s=retriever_connect_timeout_s,
-                                    retries=retriever_retries)
+    Its options (`settings.options`): `max_turns` (searches allowed) and `retriever` (the fields of
+    `RetrieverConfig`: url, topk, api_key, timeout_s, connect_timeout_s, retries). The trainer fills
+    them from the original's top-level keys `max_turns` and `retriever.*`."""
+
+    def __init__(self, engine, settings: AgentLoopSettings):
+        max_turns, retriever = self._options(settings)
+        cfg = AgentConfig(max_turns=max_turns, max_response_tokens=self.max_response_tokens(settings),
+                          max_obs_length=settings.max_obs_length, topk=retriever.topk,
+                          schedule=Schedule(settings.schedule), admit_every_steps=settings.admit_every_steps)
         self.agent = SearchAgent(engine, HTTPSearcher(retriever), cfg)
-        self.max_tokens_per_turn = max_response_length
+        self.max_tokens_per_turn = settings.max_tokens_per_turn
+
+    @staticmethod
+    def _options(settings: AgentLoopSettings):
+        from search_r1.retrieval.client import RetrieverConfig
+        options = dict(settings.options)
+        unknown = sorted(set(options) - {"max_turns", "retriever"})
+        if unknown:
+            raise ValueError(f"the search agent has no option {unknown} (actor_rollout_ref.rollout.agent_kwargs): "
+                             "it takes max_turns and retriever")
+        # max_failure_rate is the trainer's (it masks and counts failed trajectories), not the client's
+        retriever = {k: v for k, v in (options.get("retriever") or {}).items() if k != "max_failure_rate"}
+        try:
+            return int(options.get("max_turns", 1)), RetrieverConfig(**retriever)
+        except TypeError as e:
+            raise ValueError(f"the search agent's retriever options: {e}") from None
 
     @classmethod
-    def preflight(cls, retriever_url: str = "http://127.0.0.1:8000/retrieve", topk: int = 3,
-                  retriever_api_key: str | None = None, retriever_connect_timeout_s: float = 5.0,
-                  retriever_timeout_s: float = 30.0, **_ignored) -> None:
+    def max_response_tokens(cls, settings: AgentLoopSettings) -> int:
+        return response_budget(cls._options(settings)[0], settings.max_tokens_per_turn, settings.max_obs_length)
+
+    @classmethod
+    def preflight(cls, settings: AgentLoopSettings) -> None:
         """One search before the trainer starts its workers: a retriever that is down, refuses the
         key or answers in another shape stops the run here, with the URL and the error."""
-        from search_r1.retrieval.client import RetrievalClient, RetrievalError, RetrieverConfig
-        from verl.workers.rollout.single_turn import PreflightError
-        cfg = RetrieverConfig(url=retriever_url, topk=topk, api_key=retriever_api_key, retries=1,
-                              timeout_s=retriever_timeout_s, connect_timeout_s=retriever_connect_timeout_s)
+        from search_r1.retrieval.client import RetrievalClient, RetrievalError
+        retriever = replace(cls._options(settings)[1], retries=1)
+        url = retriever.url
         try:
-            with RetrievalClient(cfg) as client:
-                hits = client.retrieve(["preflight check"], topk)
-                health = client.http.get(retriever_url.rsplit("/", 1)[0] + "/health")
+            with RetrievalClient(retriever) as client:
+                hits = client.retrieve(["preflight check"], retriever.topk)
+                health = client.http.get(url.rsplit("/", 1)[0] + "/health")
         except RetrievalError as e:
             raise PreflightError(f"the retriever is not ready: {e}. Start it (`search-r1 serve …`, "
-                               "retrieval_launch.sh) or fix retriever.url / retriever.api_key") from None
+                                 "retrieval_launch.sh) or fix retriever.url / retriever.api_key") from None
         if health.status_code == 503:  # e.g. a web engine that refuses the server's key
-            raise PreflightError(f"the retriever at {retriever_url} is unhealthy: "
-                                 f"{health.json().get('problems')}")
+            raise PreflightError(f"the retriever at {url} is unhealthy: {health.json().get('problems')}")
         if not (isinstance(hits[0], list) and all("document" in h for h in hits[0])):
-            raise PreflightError(f"the retriever at {retriever_url} answered {str(hits)[:200]}: not the "
-                               "/retrieve layout ({'result': [[{'document': …, 'score': …}]]})")
+            raise PreflightError(f"the retriever at {url} answered {str(hits)[:200]}: not the "
+                                 "/retrieve layout ({'result': [[{'document': …, 'score': …}]]})")
 
     def run(self, prompts, sampling):
         sampling = replace(sampling, max_tokens=min(sampling.max_tokens, self.max_tokens_per_turn))

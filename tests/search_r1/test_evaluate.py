@@ -131,6 +131,8 @@ def test_eval_tiny_model_all_modes(mode, tiny_model_dir, test_parquet, bm25_serv
 class ScriptedEngine:
     """Searches once for the question, then answers with its gold: checks the bookkeeping."""
 
+    continuous = False  # whole batches only
+
     def __init__(self, tokenizer, golds: dict[str, str]):
         self.tokenizer, self.golds = tokenizer, golds
 

@@ -64,13 +64,11 @@ class WorkerGroup:
             .remote(i, *args) for i in range(world)]
         # Rank 0's node hosts the process group's rendezvous, on a port free there.
         addr, port = self.get([self.workers[0].rendezvous.remote()], "start-up")[0]
-        self.call("setup", addr, port)
-
-    def call(self, method: str, *args, step: int | None = None):
-        """The same call on every worker; a dead worker becomes an error that names it."""
-        return self.get([getattr(w, method).remote(*args) for w in self.workers], method, step)
+        self.get([w.setup.remote(addr, port) for w in self.workers], "setup")
 
     def get(self, refs, what: str, step: int | None = None):
+        """The results of remote calls on this group's workers; a dead worker becomes an error that
+        names it, what it was doing and the step."""
         try:
             return ray.get(refs)
         except ray.exceptions.RayActorError as e:
@@ -101,15 +99,23 @@ def _failed(ref) -> bool:
         return True
 
 
-class _Immediate:
-    """`handle.method.remote(*args)` for an object in this process: runs the call at once."""
+class _LocalMethod:
+    """A method of an object in this process, called as Ray calls an actor's method: `.remote(...)`
+    runs it at once and returns its result where Ray would return an object ref."""
+
+    def __init__(self, method):
+        self.remote = method
+
+
+class _LocalHandle:
+    """An object in this process behind Ray's actor-handle convention (`handle.method.remote(...)`),
+    so the trainer's call sites read the same with and without Ray."""
 
     def __init__(self, obj):
         self._obj = obj
 
     def __getattr__(self, name):
-        method = getattr(self._obj, name)
-        return type("Call", (), {"remote": staticmethod(lambda *a, **k: method(*a, **k))})
+        return _LocalMethod(getattr(self._obj, name))
 
 
 class LocalWorkerGroup:
@@ -122,10 +128,7 @@ class LocalWorkerGroup:
         self.name = name
         obj = cls(0, *args)
         obj.setup("127.0.0.1", 0)
-        self.workers = [_Immediate(obj)]
-
-    def call(self, method: str, *args, step: int | None = None):
-        return [getattr(self.workers[0]._obj, method)(*args)]
+        self.workers = [_LocalHandle(obj)]
 
     def get(self, refs, what: str, step: int | None = None):
         return list(refs)

@@ -177,9 +177,13 @@ class RolloutConfig:
                                               "positive multiple of the workers, otherwise unused (old log-probs "
                                               "run in actor.ppo_micro_batch_size micro-batches)")
     max_model_len: int | None = key(None, "tokens one sequence may hold in the engine; null: max_prompt_length + "
-                                          "(max_turns + 1) × max_response_length + max_turns × max_obs_length")
+                                          "the longest response the agent loop allows (search agent: (max_turns "
+                                          "+ 1) × max_response_length + max_turns × max_obs_length)")
     agent_loop: str | None = key(None, "the agent loop as module:Class (search: "
                                        "search_r1.agent.loop:SearchAgentLoop); null: single-turn generation")
+    agent_kwargs: dict[str, Any] | None = key(None, "the agent loop's own options, read by the loop alone; they "
+                                                    "start from the top-level max_turns and retriever.* keys (the "
+                                                    "search agent's options), which these override")
     schedule: str = key("auto", "how the agent loop drives the engine: sync | async | continuous (vLLM only) | "
                                 "auto: continuous with vLLM on a GPU, else sync (benchmarks/RESULTS.md)")
     admit_every_steps: int = key(32, "continuous schedule: engine steps between admissions, when the turns that "

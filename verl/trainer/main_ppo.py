@@ -23,12 +23,12 @@ def run(raw: DictConfig) -> None:
     from transformers import AutoTokenizer
 
     from verl.single_controller.ray_group import LocalWorkerGroup, WorkerGroup, start_ray
-    from verl.single_controller.workers import CriticWorker, PolicyWorker, agent_loop_kwargs
+    from verl.single_controller.roles import CriticWorker, PolicyWorker, agent_loop_settings
     from verl.trainer.config import ConfigError, check_agent_keys, derive_sizes, load_config
     from verl.trainer.core_algos import AdvEstimator
     from verl.trainer.ppo_trainer import PPOTrainer, load_reward_fn
     from verl.utils.dataset import PromptSampler, load_examples
-    from verl.workers.rollout.single_turn import load_agent_loop
+    from verl.workers.rollout.agent_loop import load_agent_loop
     from verl.utils.tracking import Tracker
 
     cfg = load_config(raw)
@@ -41,7 +41,7 @@ def run(raw: DictConfig) -> None:
     run_cfg = cfg.trainer
     device = run_cfg.device if run_cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     # The agent loop's tools (the retriever) answer before any worker is started for them.
-    load_agent_loop(cfg.actor_rollout_ref.rollout.agent_loop).preflight(**agent_loop_kwargs(cfg, device))
+    load_agent_loop(cfg.actor_rollout_ref.rollout.agent_loop).preflight(agent_loop_settings(cfg, device))
     AdvEstimator(cfg.algorithm.adv_estimator)  # fails early on an unknown estimator
 
     tokenizer = AutoTokenizer.from_pretrained(cfg.actor_rollout_ref.model.path)
@@ -74,10 +74,11 @@ def run(raw: DictConfig) -> None:
     OmegaConf.save(raw, os.path.join(run_cfg.default_local_dir, "config.yaml"))
     tracker = Tracker(run_cfg.logger, run_cfg.default_local_dir, run_cfg.project_name,
                       run_cfg.experiment_name, OmegaConf.to_container(raw, resolve=True))
-    trainer = PPOTrainer(cfg, sizes, policy, critic, tokenizer, sampler, val, tracker, total_steps, device_name)
-    trainer.n_params = sum(p.numel() for p in _count_params(cfg.actor_rollout_ref.model.path))
+    n_params = sum(p.numel() for p in _count_params(cfg.actor_rollout_ref.model.path))
+    trainer = PPOTrainer(cfg, sizes, policy, critic, tokenizer, sampler, val, tracker, total_steps, device_name,
+                         n_params)
     trainer.fit()
-    policy.call("shutdown")
+    policy.get([w.shutdown.remote() for w in policy.workers], "shutdown")
 
 
 def _count_params(path):
@@ -118,7 +119,7 @@ def accept_plus_on_existing_keys(argv: list[str]) -> list[str]:
 def main(raw: DictConfig) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from verl.trainer.config import ConfigError
-    from verl.workers.rollout.single_turn import PreflightError
+    from verl.workers.rollout.agent_loop import PreflightError
     try:
         run(raw)
     except ConfigError as e:

@@ -20,7 +20,7 @@ from contextlib import contextmanager
 import numpy as np
 import torch
 
-from verl.protocol import RolloutBatch
+from verl.batch import RolloutBatch
 from verl.trainer import core_algos
 from verl.trainer.config import Sizes, TrainerConfig
 from verl.utils.dataset import Example, PromptSampler
@@ -57,7 +57,9 @@ class Timer:
 
 class PPOTrainer:
     def __init__(self, cfg: TrainerConfig, sizes: Sizes, policy, critic, tokenizer, sampler: PromptSampler,
-                 val_examples: list[Example] | None, tracker, total_steps: int, device_name: str):
+                 val_examples: list[Example] | None, tracker, total_steps: int, device_name: str,
+                 n_params: int | None = None):
+        """`n_params`: the policy's parameter count, for the MFU estimate (None: no estimate)."""
         self.cfg, self.sizes, self.policy, self.critic = cfg, sizes, policy, critic
         self.tokenizer, self.sampler, self.val_examples = tokenizer, sampler, val_examples
         self.tracker, self.total_steps = tracker, total_steps
@@ -68,6 +70,7 @@ class PPOTrainer:
                         if kl.type == "adaptive" else core_algos.FixedKLController(kl.kl_coef))
         self.use_reference = cfg.actor_rollout_ref.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
         self.peak_flops = next((v for k, v in PEAK_FLOPS.items() if k in device_name), None)
+        self.n_params = n_params
         self.out_dir = cfg.trainer.default_local_dir
         self.step = 0
 
@@ -81,24 +84,30 @@ class PPOTrainer:
             batch.rewards_B, metrics = self.score(batch)
             metrics |= self.drop_failed_tool_calls(batch)
         with t("old_log_probs"):
-            batch.old_logprobs_BR = self.fan_out(self.policy, "compute_log_probs", batch)
+            batch.old_logprobs_BR = batch.cat_responses(
+                self.on_parts(self.policy, batch, lambda w, part: w.compute_log_probs.remote(part), "old log-probs"))
         if self.use_reference:
             with t("ref_log_probs"):
-                batch.ref_logprobs_BR = self.fan_out(self.policy, "compute_ref_log_probs", batch)
+                batch.ref_logprobs_BR = batch.cat_responses(self.on_parts(
+                    self.policy, batch, lambda w, part: w.compute_ref_log_probs.remote(part), "reference log-probs"))
         if self.critic is not None:
             with t("values"):
-                batch.values_BR = self.fan_out(self.critic, "compute_values", batch)
+                batch.values_BR = batch.cat_responses(
+                    self.on_parts(self.critic, batch, lambda w, part: w.compute_values.remote(part), "values"))
         with t("advantages"):
             metrics |= self.compute_advantages(batch)
         if self.critic is not None:
             with t("update_critic"):
-                metrics |= _mean_dicts(self.fan_out(self.critic, "update_critic", batch, cat=False))
+                metrics |= _mean_dicts(
+                    self.on_parts(self.critic, batch, lambda w, part: w.update_critic.remote(part), "critic update"),
+                    prefix="critic/")
         # trainer.critic_warmup: the critic learns alone until then (self.step counts finished steps)
         if self.step + 1 >= self.cfg.trainer.critic_warmup:
             with t("update_actor"):
-                metrics |= _mean_dicts(self.fan_out(self.policy, "update_actor", batch, cat=False))
+                metrics |= _mean_dicts(
+                    self.on_parts(self.policy, batch, lambda w, part: w.update_actor.remote(part), "actor update"))
             with t("weight_sync"):
-                self.policy.call("sync_weights", step=self.step)
+                self.policy.get([w.sync_weights.remote() for w in self.policy.workers], "weight sync", self.step)
         return metrics | self.throughput(batch, t.seconds) | {f"timing_s/{k}": v for k, v in t.seconds.items()}
 
     # -- phases --------------------------------------------------------------------------------
@@ -128,18 +137,16 @@ class PPOTrainer:
             rewards.append(score)
             em.append(float(getattr(result, "em", score)))
             by_source[source].append(em[-1])
-        stats = batch.info["stats"]
+        stats = batch.info["stats"]  # TrajectoryStats, one per trajectory
         metrics = {"reward/mean": float(np.mean(rewards)), "reward/em": float(np.mean(em)),
-                   "response/length": float(np.mean([s["response_tokens"] for s in stats])),
-                   "response/model_tokens": float(np.mean([s["model_tokens"] for s in stats])),
-                   "response/observation_tokens": float(np.mean([s["response_tokens"] - s["model_tokens"]
-                                                                 for s in stats])),
-                   "agent/turns": float(np.mean([s.get("turns", 1) for s in stats])),
-                   "agent/searches": float(np.mean([s.get("searches", 0) for s in stats])),
-                   # seconds a trajectory waited for passages (overlapped with other trajectories' turns)
-                   "agent/retrieval_s": float(np.mean([s.get("retrieval_s", 0.0) for s in stats]))}
-        for reason in {s["finish"] for s in stats}:
-            metrics[f"agent/finish_{reason}"] = float(np.mean([s["finish"] == reason for s in stats]))
+                   "response/length": float(np.mean([s.response_tokens for s in stats])),
+                   "response/model_tokens": float(np.mean([s.model_tokens for s in stats])),
+                   # tool outputs (retrieved passages) in the response
+                   "response/observation_tokens": float(np.mean([s.response_tokens - s.model_tokens for s in stats]))}
+        for name in {name for s in stats for name in s.metrics}:  # the agent loop's own
+            metrics[f"agent/{name}"] = float(np.mean([s.metrics[name] for s in stats if name in s.metrics]))
+        for reason in {s.finish for s in stats}:
+            metrics[f"agent/finish_{reason}"] = float(np.mean([s.finish == reason for s in stats]))
         for source, values in by_source.items():
             metrics[f"reward/em/{source}"] = float(np.mean(values))
         batch.info["reward"] = rewards
@@ -151,8 +158,8 @@ class PPOTrainer:
         retriever.max_failure_rate of the searching trajectories, the run stops here, before any
         update or checkpoint of this step."""
         stats = batch.info["stats"]
-        failed = [bool(s.get("retrieval_failed")) for s in stats]
-        asked = sum(1 for s, f in zip(stats, failed) if f or s.get("searches", 0) > 0)
+        failed = [s.tool_failed for s in stats]
+        asked = sum(1 for s in stats if s.tool_failed or s.tool_calls > 0)
         rate = sum(failed) / asked if asked else 0.0
         limit = self.cfg.retriever.max_failure_rate
         if failed and rate > limit:
@@ -189,24 +196,20 @@ class PPOTrainer:
         batch.advantages_BR, batch.returns_BR = adv_BR, ret_BR
         return metrics | {"advantages/mean": float(core_algos.masked_mean(adv_BR, mask_BR))}
 
-    def fan_out(self, group, method: str, batch: RolloutBatch, cat: bool = True):
-        """Split the batch over the group's workers, call `method` on each part, gather."""
+    def on_parts(self, group, batch: RolloutBatch, call, what: str) -> list:
+        """Split the batch over the group's workers and run `call(worker, part)` on each (a remote
+        call: `lambda w, part: w.compute_values.remote(part)`); the results, in worker order."""
         parts = batch.split(len(group.workers))
-        results = group.get([getattr(w, method).remote(part) for w, part in zip(group.workers, parts)],
-                            method, self.step)
-        if not cat:
-            return results
-        width = batch.input_ids_BT.shape[1] - batch.prompt_width
-        return torch.cat([torch.nn.functional.pad(r, (0, width - r.shape[1])) for r in results])
+        return group.get([call(w, part) for w, part in zip(group.workers, parts)], what, self.step)
 
     def throughput(self, batch: RolloutBatch, seconds: dict) -> dict:
         tokens = int(batch.attention_mask_BT.sum())
-        generated = sum(s["model_tokens"] for s in batch.info["stats"])
+        generated = sum(s.model_tokens for s in batch.info["stats"])
         out = {"throughput/generated_tokens_per_s": generated / max(seconds["rollout"], 1e-9)}
         if "update_actor" not in seconds:  # a critic warm-up step
             return out
         out["throughput/train_tokens_per_s"] = tokens / max(seconds["update_actor"], 1e-9)
-        if self.peak_flops and getattr(self, "n_params", None):
+        if self.peak_flops and self.n_params:
             # forward+backward ≈ 6 FLOPs per parameter per token (attention left out)
             out["throughput/mfu_actor_update"] = 6 * self.n_params * tokens * self.cfg.actor_rollout_ref.actor.ppo_epochs / (
                 seconds["update_actor"] * self.peak_flops * self.sizes.world)
@@ -236,7 +239,7 @@ class PPOTrainer:
                                     "response": batch.info["response_text"][i],
                                     "response_ids": batch.info["response_ids"][i],
                                     "loss_mask": batch.info["loss_mask"][i],
-                                    "reward": batch.info["reward"][i], **batch.info["stats"][i]}) + "\n")
+                                    "reward": batch.info["reward"][i], **batch.info["stats"][i].as_row()}) + "\n")
 
     def save(self):
         from verl.trainer.checkpoint import export_hf
@@ -244,8 +247,9 @@ class PPOTrainer:
         state = {"step": self.step, "sampler": self.sampler.state(), "kl_coef": float(self.kl_ctrl.value)}
         keep = self.cfg.trainer.keep_last_checkpoints
         if self.critic is not None:  # the critic first: the actor's `latest` marks a complete step
-            self.critic.call("save", root, self.step, state, keep, step=self.step)
-        self.policy.call("save", root, self.step, state, keep, step=self.step)
+            self.critic.get([w.save.remote(root, self.step, state, keep) for w in self.critic.workers], "save",
+                            self.step)
+        self.policy.get([w.save.remote(root, self.step, state, keep) for w in self.policy.workers], "save", self.step)
         if self.cfg.trainer.export_hf_on_save:
             export_hf(os.path.join(root, f"global_step_{self.step}"), "actor",
                       os.path.join(self.out_dir, "hf_actor"), self.cfg.actor_rollout_ref.model.path,
@@ -265,9 +269,9 @@ class PPOTrainer:
         failed = []
         for step in steps:
             try:
-                state = self.policy.call("load", root, step)[0]
+                state = self.policy.get([w.load.remote(root, step) for w in self.policy.workers], "resume")[0]
                 if self.critic is not None:
-                    self.critic.call("load", root, step)
+                    self.critic.get([w.load.remote(root, step) for w in self.critic.workers], "resume")
             except CheckpointCorrupt as error:
                 error = getattr(error, "cause", error)  # what the worker raised, without Ray's wrapping
                 failed.append(str(error))
@@ -349,15 +353,16 @@ def is_last_step(step: int, total_steps: int, elapsed_s: float, limit_minutes: f
 
 
 def non_finite_metrics(metrics: dict) -> list[str]:
-    """Names of the losses and gradient norms in `metrics` (pg_loss, kl_loss, vf_loss, grad_norm, …)
+    """Names of the losses and gradient norms in `metrics` (pg_loss, kl_loss, critic/vf_loss, grad_norm, …)
     that are nan or inf."""
     return sorted(k for k, v in metrics.items()
                   if k.endswith(("loss", "grad_norm")) and isinstance(v, (int, float)) and not math.isfinite(v))
 
 
-def _mean_dicts(dicts: list[dict]) -> dict:
+def _mean_dicts(dicts: list[dict], prefix: str = "") -> dict:
+    """The workers' metrics averaged over workers, under `prefix` + name."""
     keys = set().union(*dicts)
-    return {k: float(np.mean([d[k] for d in dicts if k in d])) for k in keys}
+    return {prefix + k: float(np.mean([d[k] for d in dicts if k in d])) for k in keys}
 
 
 def _jsonable(x):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from verl.protocol import RolloutBatch
+from verl.batch import RolloutBatch
 from verl.trainer.config import ActorConfig, ModelConfig
 from verl.trainer.core_algos import agg_loss, kl_penalty, policy_loss
 from verl.workers.distributed import compute_device, mixed_precision_context, shard

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from verl.protocol import RolloutBatch
+from verl.batch import RolloutBatch
 from verl.trainer.config import ActorConfig, CriticConfig
 from verl.trainer.core_algos import value_loss
 from verl.workers.distributed import compute_device, mixed_precision_context, shard

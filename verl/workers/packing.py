@@ -3,7 +3,7 @@
 - `forward_packed` / `values_packed`: what the workers use; `forward_padded` / `values_padded`: the
   plain reference the tests compare against.
 
-Packing. Rows are [left-padded prompt | right-padded response] (see `verl.protocol`). A forward over
+Packing. Rows are [left-padded prompt | right-padded response] (see `verl.batch`). A forward over
 the padded batch spends compute on padding, which in multi-turn search rollouts (very different
 response lengths) is often most of the batch. `forward_packed` drops the padding and concatenates
 the real tokens of several rows into ONE sequence of length L (batch dimension 1), with position ids
@@ -72,14 +72,14 @@ def _agree_on_pack_count(n: int) -> int:
 
 def _response_positions(attention_mask_BT: torch.Tensor, prompt_width: int):
     """Which response tokens exist, and check that the token before each one is real (the layout
-    of `verl.protocol`: contiguous real tokens, at least one prompt token)."""
+    of `verl.batch`: contiguous real tokens, at least one prompt token)."""
     real_BT = attention_mask_BT.bool()
     target_BR = real_BT[:, prompt_width:]
     prev_BR = real_BT[:, prompt_width - 1:-1] if prompt_width > 0 else torch.zeros_like(target_BR)
     if not bool((prev_BR | ~target_BR).all()):
         raise ValueError(
             "every response token must follow a real token: rows must be [left-padded prompt | right-padded "
-            "response] with a non-empty prompt (build batches with verl.protocol.pack_trajectories)")
+            "response] with a non-empty prompt (build batches with verl.batch.pack_trajectories)")
     return real_BT, target_BR
 
 

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from verl.protocol import RolloutBatch
+from verl.batch import RolloutBatch
 from verl.trainer.core_algos import LossAgg
 from verl.workers.distributed import comm_device
 

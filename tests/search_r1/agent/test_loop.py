@@ -8,7 +8,7 @@ import pytest
 from verl.workers.rollout.engines import Generation, SamplingConfig
 from search_r1.agent.loop import (INVALID_ACTION, SEARCH_FAILED, AgentConfig, Finish, HTTPSearcher,
                                   Schedule, SearchAgent)
-from search_r1.models import load_smollm2_tokenizer
+from search_r1.local_models import load_smollm2_tokenizer
 from search_r1.retrieval.client import RetrieverConfig
 from conftest import free_port, vllm_skip_reason
 
@@ -24,6 +24,8 @@ class ScriptedEngine:
     """Stands in for the model: each prompt has a script of turn texts. It behaves like a real
     engine: stops right after a stop string (included), appends EOS for a turn marked `<eos>`,
     and cuts at max_tokens with finish "length". It records every id it returned."""
+
+    continuous = True  # offers submit/step, as vLLM does
 
     def __init__(self, tokenizer, scripts: dict[str, list[str]]):
         self.tokenizer = tokenizer
@@ -148,7 +150,7 @@ def test_finish_reasons(tokenizer, schedule):
         "D:": ["word " * 400],                        # never stops
         "E:": ["<search></search>", "<answer> x </answer>"],  # invalid, then answers
     }
-    ts, _ = run(tokenizer, scripts, schedule=schedule, max_turns=2, max_response_length=200)
+    ts, _ = run(tokenizer, scripts, schedule=schedule, max_turns=2, max_response_tokens=200)
     a, b, c, d, e = ts
     assert a.finish == Finish.ANSWER and a.loss_mask == [1] * len(a.response_ids)
     assert b.finish == Finish.EOS and b.response_ids[-1] == tokenizer.eos_token_id
@@ -171,7 +173,7 @@ def test_observation_truncated_keeps_closing_tag(tokenizer):
 def test_observation_that_does_not_fit_cuts_the_trajectory(tokenizer):
     searcher = DictSearcher({"q": "long passage " * 200})
     (t,), _ = run(tokenizer, {"Q:": ["<search>q</search>", "<answer>a</answer>"]}, searcher,
-                  max_obs_length=500, max_response_length=100)
+                  max_obs_length=500, max_response_tokens=100)
     assert t.finish == Finish.LENGTH and len(t.response_ids) <= 100 and t.searches == 1
 
 
@@ -292,7 +294,7 @@ def test_vllm_agent_against_real_retrieval_server(smollm2_dir, dense_server):
     searcher = HTTPSearcher(RetrieverConfig(url=dense_server.url + "/retrieve"))
     results = {}
     for schedule in Schedule:
-        agent = SearchAgent(engine, searcher, AgentConfig(max_turns=1, max_response_length=160,
+        agent = SearchAgent(engine, searcher, AgentConfig(max_turns=1, max_response_tokens=160,
                                                           schedule=schedule))
         results[schedule] = agent.run(prompts, SamplingConfig(temperature=0, max_tokens=64))
     for t in results[Schedule.SYNC]:
@@ -315,15 +317,17 @@ def test_logit_bias_reaches_the_engine(tiny_model_dir, schedule):
     SearchAgentLoop, which caps tokens per turn, keeps it too. No search happens: nothing listens."""
     from verl.workers.rollout.engines import HFEngine
     from search_r1.agent.loop import SearchAgentLoop
+    from verl.workers.rollout.agent_loop import AgentLoopSettings
 
     engine = HFEngine(tiny_model_dir, seed=0)
     tok = engine.tokenizer
     token = tok.encode(" Paris", add_special_tokens=False)[0]
     prompts = [tok.encode("Q: where?"), tok.encode("Q: who wrote it?")]
     sampling = SamplingConfig(temperature=1.0, max_tokens=64, logit_bias={token: 100.0})
-    agent = SearchAgent(engine, DictSearcher(), AgentConfig(max_response_length=12, schedule=schedule))
-    trainer_loop = SearchAgentLoop(engine, max_turns=1, max_response_length=6, schedule=schedule,
-                                   retriever_url=f"http://127.0.0.1:{free_port()}/retrieve")
+    agent = SearchAgent(engine, DictSearcher(), AgentConfig(max_response_tokens=12, schedule=schedule))
+    settings = AgentLoopSettings(max_tokens_per_turn=6, schedule=schedule, options={
+        "max_turns": 1, "retriever": {"url": f"http://127.0.0.1:{free_port()}/retrieve"}})
+    trainer_loop = SearchAgentLoop(engine, settings)
     for trajectories, length in ((agent.run(prompts, sampling), 12), (trainer_loop.run(prompts, sampling), 6)):
         for t in trajectories:
             assert t.response_ids == [token] * length and t.finish == Finish.LENGTH

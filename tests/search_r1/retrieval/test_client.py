@@ -72,8 +72,12 @@ def test_the_key_reaches_the_server_and_a_wrong_one_is_not_retried(bm25_server_p
 def test_the_search_agent_checks_its_retriever_before_training(bm25_server_process):
     """The trainer's preflight: the right key passes; a wrong one stops with the URL and the 401."""
     from search_r1.agent.loop import SearchAgentLoop
-    from verl.workers.rollout.single_turn import PreflightError
-    url = f"{bm25_server_process.url}/retrieve"
-    SearchAgentLoop.preflight(retriever_url=url, retriever_api_key="s3cret")
+    from verl.workers.rollout.agent_loop import AgentLoopSettings, PreflightError
+
+    def settings(api_key):
+        return AgentLoopSettings(max_tokens_per_turn=64, options={
+            "retriever": {"url": f"{bm25_server_process.url}/retrieve", "api_key": api_key}})
+
+    SearchAgentLoop.preflight(settings("s3cret"))
     with pytest.raises(PreflightError, match="401"):
-        SearchAgentLoop.preflight(retriever_url=url, retriever_api_key=None)
+        SearchAgentLoop.preflight(settings(None))

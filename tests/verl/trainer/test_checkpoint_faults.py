@@ -189,21 +189,28 @@ def test_a_disk_that_fills_up_while_saving_leaves_no_partial_directory(tmp_path,
 # ---------------------------------------------------------------- the trainer (findings 6 and 7)
 
 class _Group:
-    """One worker with WorkerGroup's calling convention (as PolicyWorker/CriticWorker save and
-    load); what it raises comes back wrapped the way Ray wraps a worker's exception."""
+    """One worker with WorkerGroup's calling convention (`group.get([w.save.remote(…)], …)`, as
+    PolicyWorker/CriticWorker save and load); what it raises comes back wrapped the way Ray wraps a
+    worker's exception."""
 
     def __init__(self, name: str, parts, subdir: str = ""):
         self.name, self.parts, self.subdir = name, parts, subdir
-        self.workers = [None]
+        self.workers = [SimpleNamespace(save=SimpleNamespace(remote=self._save),
+                                        load=SimpleNamespace(remote=self._load))]
 
-    def call(self, method: str, *args, step: int | None = None):
-        root, ckpt_step, *rest = args
-        root = os.path.join(root, self.subdir)
+    def get(self, results, what: str, step: int | None = None):
+        return list(results)
+
+    def _save(self, root, step, trainer_state, keep_last):
+        return self._wrapped("save", save_checkpoint, os.path.join(root, self.subdir), step, {self.name: self.parts},
+                             trainer_state, keep_last)
+
+    def _load(self, root, step):
+        return self._wrapped("load", load_checkpoint, os.path.join(root, self.subdir), step, {self.name: self.parts})
+
+    def _wrapped(self, method, fn, *args):
         try:
-            if method == "save":
-                trainer_state, keep_last = rest
-                return [save_checkpoint(root, ckpt_step, {self.name: self.parts}, trainer_state, keep_last)]
-            return [load_checkpoint(root, ckpt_step, {self.name: self.parts})]
+            return fn(*args)
         except Exception as error:
             raise RayTaskError(f"{self.name}.{method}", traceback.format_exc(), error, proctitle="worker",
                                pid=1, ip="127.0.0.1").as_instanceof_cause() from None

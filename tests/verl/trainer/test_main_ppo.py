@@ -133,7 +133,7 @@ def test_ppo_with_critic_warmup(tiny_model_dir, bundled_data, bm25_server, tmp_p
         "critic.model.fsdp_config.unsharded_accumulation=true"]
     rows, _ = train(ppo, tmp_path / "ppo")
     first, second = [r for r in rows if r["step"] > 0]
-    assert "timing_s/update_critic" in first and first["vf_loss"] > 0 and "timing_s/update_actor" not in first
+    assert "timing_s/update_critic" in first and first["critic/vf_loss"] > 0 and "critic/grad_norm" in first and "timing_s/update_actor" not in first
     assert "timing_s/update_actor" in second and second["grad_norm"] > 0
 
 

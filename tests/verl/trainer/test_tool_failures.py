@@ -13,12 +13,16 @@ import torch
 
 from conftest import free_port
 from verl.trainer.config import TrainerConfig
+from verl.workers.rollout.agent_loop import TrajectoryStats
 from verl.trainer.ppo_trainer import PPOTrainer, ToolFailures
 
 ROOT = Path(__file__).resolve().parents[3]
 
 
-def batch_with(stats):
+def batch_with(calls_and_failures):
+    """(tool calls, failed) per trajectory."""
+    stats = [TrajectoryStats("answer", 4, 4, tool_calls=calls, tool_failed=failed)
+             for calls, failed in calls_and_failures]
     n = len(stats)
     return SimpleNamespace(info={"stats": stats}, loss_mask_BR=torch.ones(n, 4), response_mask_BR=torch.ones(n, 4))
 
@@ -30,8 +34,7 @@ def trainer(max_failure_rate=0.5):
 
 
 def test_failed_searches_are_counted_and_masked_out_of_the_loss():
-    stats = [{"searches": 1, "retrieval_failed": True}, {"searches": 2, "retrieval_failed": False},
-             {"searches": 0, "retrieval_failed": False}, {"searches": 1, "retrieval_failed": False}]
+    stats = [(1, True), (2, False), (0, False), (1, False)]
     batch = batch_with(stats)
     metrics = PPOTrainer.drop_failed_tool_calls(trainer(), batch)
     assert metrics == {"agent/search_failures": 1.0, "agent/search_failure_rate": pytest.approx(1 / 3)}
@@ -40,7 +43,7 @@ def test_failed_searches_are_counted_and_masked_out_of_the_loss():
 
 
 def test_too_many_failures_stop_the_step_with_the_cause():
-    stats = [{"searches": 1, "retrieval_failed": True}] * 3 + [{"searches": 1, "retrieval_failed": False}]
+    stats = [(1, True)] * 3 + [(1, False)]
     batch = batch_with(stats)
     with pytest.raises(ToolFailures, match=r"step 7: 3 of 4 searching trajectories .*retriever.max_failure_rate=0.5"):
         PPOTrainer.drop_failed_tool_calls(trainer(), batch)

@@ -56,7 +56,7 @@ def write_jsonl(path, rows):
 
 @pytest.fixture(scope="module")
 def smollm2_tokenizer():
-    from search_r1.models import load_smollm2_tokenizer
+    from search_r1.local_models import load_smollm2_tokenizer
     return load_smollm2_tokenizer()
 
 

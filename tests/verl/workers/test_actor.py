@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from verl.protocol import RolloutBatch, pack_trajectories
+from verl.batch import RolloutBatch, pack_trajectories
 from verl.workers.actor import Actor, Reference
 from verl.workers.critic import Critic
 from verl.trainer.config import ActorConfig, CriticConfig, CriticModelConfig, FSDPConfig, ModelConfig, OptimConfig

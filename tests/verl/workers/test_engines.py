@@ -14,11 +14,10 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 
-from verl.workers.rollout.engines import (AsyncVLLMEngine, Generation, HFEngine, SamplingConfig,
-                                     VLLMEngine, make_engine)
 from conftest import vllm_skip_reason
-from search_r1.models import make_tiny_model
+from verl.workers.rollout.engines import Generation, HFEngine, SamplingConfig, VLLMEngine, create_engine
 
 GREEDY = SamplingConfig(temperature=0, max_tokens=24)
 QUESTIONS = ["Who wrote Hamlet?", "What is the capital of France? Answer briefly.", "Hi"]
@@ -130,18 +129,6 @@ def test_generate_one_batches_concurrent_calls(engine, prompts, monkeypatch):
     assert calls == [len(prompts)]
 
 
-@pytest.mark.e2e
-def test_async_vllm_engine_matches_offline_engine(tiny_model, vllm_engine, prompts):
-    async def run():
-        engine = AsyncVLLMEngine(tiny_model, seed=0, **VLLM_KW)
-        try:
-            return await asyncio.gather(*[engine.generate_one(p, GREEDY, []) for p in prompts])
-        finally:
-            engine.shutdown()
-
-    assert asyncio.run(run()) == vllm_engine.generate(prompts, GREEDY, stop=[])
-
-
 # Pushes noisy weights into a VLLMEngine and then the originals, from tensors on argv[3] ("cpu":
 # shared-memory handles when the core has its own process; "cuda": CUDA IPC handles).
 CHILD_CORE_SCRIPT = """
@@ -207,9 +194,14 @@ def test_engine_core_is_spawned_unless_the_user_chose(monkeypatch, caplog):
     assert "forked engine core fails" in caplog.text
 
 
-def test_make_engine_rejects_unknown_kind(tiny_model):
-    with pytest.raises(ValueError, match="vllm"):
-        make_engine("sglang", tiny_model)
+def test_create_engine_names_the_key_that_chose_an_unknown_engine(tiny_model):
+    with pytest.raises(ValueError, match=r"actor_rollout_ref.rollout.name='sglang': use vllm or hf"):
+        create_engine("sglang", tiny_model, key="actor_rollout_ref.rollout.name")
+
+
+def test_create_engine_builds_the_hf_engine_on_the_cpu(tiny_model):
+    engine = create_engine("hf", tiny_model, device="cpu")
+    assert isinstance(engine, HFEngine) and not engine.continuous and engine.dtype == torch.float32
 
 
 @pytest.mark.e2e

@@ -10,11 +10,12 @@ Stop strings are matched inside the engine, so no token is generated past the ta
   can be pushed into it either way. A child core is always spawned, never forked (`_spawn_engine_core`),
   so scripts that use one need an `if __name__ == "__main__":` guard.
 - `HFEngine`: transformers `generate`, for machines or models vLLM does not cover, and as a reference.
-- `AsyncVLLMEngine`: vLLM's `AsyncLLM`, one request per trajectory. Its engine core always runs in a
-  child process (spawned), so scripts using it need an `if __name__ == "__main__":` guard.
+- `create_engine`: either of them by name, as the trainer's `rollout.name` and `search-r1 eval
+  --engine` choose them.
 
 `VLLMEngine` and `HFEngine` also offer `generate_one` for an asynchronous agent schedule: calls that
-arrive within a few milliseconds of each other are served by one batched `generate`.
+arrive within a few milliseconds of each other are served by one batched `generate`. Only
+`VLLMEngine` can step (`continuous = True`: `submit`, `step`), which the continuous schedule needs.
 
 Seeding: vLLM on CPU rejects a per-request seed ("CPU Generator does not use offset"), so there the
 engine is seeded once at construction and `SamplingConfig.seed` is ignored with a warning.
@@ -30,7 +31,6 @@ import logging
 import os
 import sys
 from dataclasses import astuple, dataclass, replace
-from enum import StrEnum
 from typing import Any, Protocol
 
 import torch
@@ -59,6 +59,7 @@ class Generation:
 
 class Engine(Protocol):
     tokenizer: Any  # Hugging Face tokenizer of the model
+    continuous: bool  # whether it also offers submit/step (VLLMEngine) for the continuous schedule
 
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig, stop: list[str]) -> list[Generation]:
         """One Generation per prompt, in order."""
@@ -217,6 +218,8 @@ def _spawn_engine_core() -> None:
 class VLLMEngine:
     """vLLM offline engine; prompts and outputs are token ids."""
 
+    continuous = True  # submit/step: requests join the running batch one at a time
+
     def __init__(
         self,
         model_path: str,
@@ -361,62 +364,6 @@ class VLLMEngine:
         self.llm.reset_prefix_cache()
 
 
-class AsyncVLLMEngine:
-    """vLLM's AsyncLLM: each trajectory submits its own request and the engine batches continuously.
-
-    The engine core runs in a spawned child process, even with VLLM_ENABLE_V1_MULTIPROCESSING=0.
-    Use it from a single event loop (it binds to the first one that calls it); `shutdown()` when done.
-    """
-
-    def __init__(
-        self,
-        model_path: str,
-        seed: int = 0,
-        gpu_memory_utilization: float = 0.5,
-        max_model_len: int = 4096,
-        dtype: str = "auto",
-        enable_sleep_mode: bool = False,
-        enforce_eager: bool | None = None,
-        **kw,
-    ):
-        _spawn_engine_core()
-        _without_flashinfer()
-        from vllm.engine.arg_utils import AsyncEngineArgs
-        from vllm.v1.engine.async_llm import AsyncLLM
-
-        self.on_cpu = _on_cpu()
-        args = AsyncEngineArgs(
-            model=model_path,
-            seed=seed,
-            gpu_memory_utilization=gpu_memory_utilization,
-            max_model_len=max_model_len,
-            dtype=_vllm_dtype(dtype, self.on_cpu),
-            enable_sleep_mode=enable_sleep_mode,
-            enforce_eager=self.on_cpu if enforce_eager is None else enforce_eager,
-            **kw,
-        )
-        self.llm = AsyncLLM.from_engine_args(args)
-        self.tokenizer = self.llm.get_tokenizer()
-        self._request_ids = itertools.count()
-
-    async def generate_one(self, prompt_ids: list[int], sampling: SamplingConfig, stop: list[str]) -> Generation:
-        from vllm.inputs import TokensPrompt
-        from vllm.sampling_params import RequestOutputKind
-
-        params = _vllm_sampling_params(sampling, stop, _request_seed(sampling, self.on_cpu))
-        # Only the finished output: with the default kind every request's cumulative output is built
-        # and handed to its caller after every step, work that grows with the batch.
-        params.output_kind = RequestOutputKind.FINAL_ONLY
-        final = None
-        async for final in self.llm.generate(
-                TokensPrompt(prompt_token_ids=list(prompt_ids)), params, request_id=f"r{next(self._request_ids)}"):
-            pass
-        return _from_vllm_output(final)
-
-    def shutdown(self) -> None:
-        self.llm.shutdown()
-
-
 class _StopOnStrings(StoppingCriteria):
     """Per-row stopping criterion for transformers `generate`: a row is done once its new text
     contains a stop string. Records, per row, how many new tokens it had at that moment."""
@@ -448,6 +395,8 @@ class _StopOnStrings(StoppingCriteria):
 
 class HFEngine:
     """transformers `generate` in left-padded batches; same results format as VLLMEngine."""
+
+    continuous = False  # whole batches only
 
     def __init__(self, model_path: str, device: str = "cpu", dtype: str = "float32", seed: int = 0,
                  batch_size: int = 32):
@@ -540,19 +489,15 @@ class HFEngine:
         return generations
 
 
-class EngineKind(StrEnum):
-    VLLM = "vllm"
-    HF = "hf"
-    VLLM_ASYNC = "vllm_async"
-
-
-def make_engine(kind: str, model_path: str, **kw):
-    """Build an engine by name; keyword arguments go to its constructor."""
-    if kind not in set(EngineKind):
-        raise ValueError(f"unknown engine kind {kind!r}: use one of {[k.value for k in EngineKind]}")
-    if kind == EngineKind.VLLM:
-        return VLLMEngine(model_path, **kw)
-    elif kind == EngineKind.HF:
-        return HFEngine(model_path, **kw)
-    elif kind == EngineKind.VLLM_ASYNC:
-        return AsyncVLLMEngine(model_path, **kw)
+def create_engine(name: str, model_path: str, *, device: str = "auto", seed: int = 0, key: str = "engine",
+                  **vllm_kw):
+    """The generation engine `name`: "vllm" (VLLMEngine with `vllm_kw`) or "hf" (transformers on
+    `device`: auto takes the GPU when there is one; bf16 on a GPU, fp32 on the CPU). `key` names the
+    setting that chose `name`, for the error."""
+    if name == "vllm":
+        return VLLMEngine(model_path, seed=seed, **vllm_kw)
+    if name == "hf":
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        return HFEngine(model_path, device=device, dtype="bfloat16" if device == "cuda" else "float32", seed=seed)
+    raise ValueError(f"{key}={name!r}: use vllm or hf")

@@ -1,12 +1,10 @@
-"""Default agent loop: one generation per prompt, no tools. Agent loops are named in the config
-(`actor_rollout_ref.rollout.agent_loop: "module:Class"`); each is built as
-`Class(engine, **options)` and returns, per prompt, an object with `response_ids`, `loss_mask`,
-`finish` and `stats()`."""
+"""The default agent loop: one generation per prompt, no tools."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 
-from verl.workers.rollout.engines import SamplingConfig
+from verl.workers.rollout.agent_loop import AgentLoopSettings, TrajectoryStats
+from verl.workers.rollout.engines import Engine, SamplingConfig
 
 
 @dataclass
@@ -14,41 +12,25 @@ class Completion:
     response_ids: list[int]
     loss_mask: list[int]
     finish: str
-    extra: dict = field(default_factory=dict)
 
-    def stats(self) -> dict:
-        return {"turns": 1, "finish": self.finish, "response_tokens": len(self.response_ids),
-                "model_tokens": len(self.response_ids)}
-
-
-class PreflightError(RuntimeError):
-    """An agent loop's tool is not ready: the trainer stops before starting its workers."""
+    def stats(self) -> TrajectoryStats:
+        return TrajectoryStats(self.finish, len(self.response_ids), len(self.response_ids), metrics={"turns": 1})
 
 
 class SingleTurnLoop:
-    def __init__(self, engine, max_response_length: int = 512, **_ignored):
-        self.engine, self.max_response_length = engine, max_response_length
+    def __init__(self, engine: Engine, settings: AgentLoopSettings):
+        self.engine, self.settings = engine, settings
 
     @classmethod
-    def preflight(cls, **settings) -> None:
-        """Checked by the driver before any worker starts (an agent loop's tools, say); nothing here."""
+    def preflight(cls, settings: AgentLoopSettings) -> None:
+        """No tools, nothing to check."""
+
+    @classmethod
+    def max_response_tokens(cls, settings: AgentLoopSettings) -> int:
+        return settings.max_tokens_per_turn
 
     def run(self, prompts: list[list[int]], sampling: SamplingConfig) -> list[Completion]:
-        sampling = SamplingConfig(sampling.temperature, sampling.top_p,
-                                  min(sampling.max_tokens, self.max_response_length), sampling.seed)
+        sampling = replace(sampling, max_tokens=min(sampling.max_tokens, self.settings.max_tokens_per_turn))
         gens = self.engine.generate(prompts, sampling, stop=[])
-        return [Completion(g.token_ids, [1] * len(g.token_ids),
-                           "length" if g.finish_reason == "length" else "eos") for g in gens]
-
-
-def load_agent_loop(spec: str | None):
-    """'module:Class' → the class; None → SingleTurnLoop."""
-    if not spec:
-        return SingleTurnLoop
-    import importlib
-    module, _, name = spec.partition(":")
-    try:
-        return getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"actor_rollout_ref.rollout.agent_loop={spec!r} cannot be loaded ({e}); "
-                         "give it as 'package.module:ClassName'") from None
+        return [Completion(g.token_ids, [1] * len(g.token_ids), "length" if g.finish_reason == "length" else "eos")
+                for g in gens]

@@ -66,6 +66,12 @@ class RolloutBatch:
             setattr(out, name, torch.cat([getattr(p, name) for p in padded]))
         return out
 
+    def cat_responses(self, parts_BR: list[torch.Tensor]) -> torch.Tensor:
+        """Per-token tensors of this batch's parts (its `split`, computed by the workers) as one
+        [B, R] tensor: each part is right-padded with 0 to this batch's response width."""
+        width = self.input_ids_BT.shape[1] - self.prompt_width
+        return torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[1])) for p in parts_BR])
+
     def to(self, device) -> "RolloutBatch":
         out = replace(self)
         for name in self._tensor_fields():

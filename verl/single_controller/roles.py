@@ -12,8 +12,9 @@ import time
 
 import torch
 
-from verl.protocol import RolloutBatch, pack_trajectories
+from verl.batch import RolloutBatch, pack_trajectories
 from verl.trainer.config import Sizes, TrainerConfig
+from verl.workers.rollout.agent_loop import AgentLoopSettings
 
 log = logging.getLogger(__name__)
 
@@ -96,15 +97,15 @@ def explain_out_of_memory(what: str, rollout):
             f"(trainer.n_gpus_per_node).{copy}") from error
 
 
-def agent_loop_kwargs(cfg: TrainerConfig, device: str) -> dict:
-    """The agent loop's settings (beside the engine), for the workers and the driver's preflight."""
-    r = cfg.retriever
-    return dict(max_turns=cfg.max_turns, max_response_length=cfg.data.max_response_length,
-                max_obs_length=cfg.data.max_obs_length, retriever_url=r.url, topk=r.topk,
-                schedule=agent_schedule(cfg.actor_rollout_ref.rollout, device),
-                admit_every_steps=cfg.actor_rollout_ref.rollout.admit_every_steps,
-                retriever_api_key=r.api_key, retriever_timeout_s=r.timeout_s,
-                retriever_connect_timeout_s=r.connect_timeout_s, retriever_retries=r.retries)
+def agent_loop_settings(cfg: TrainerConfig, device: str) -> AgentLoopSettings:
+    """The agent loop's settings, for the workers and the driver's preflight. Its options are the
+    original trainer's top-level keys `max_turns` and `retriever.*` (the search agent's), with
+    rollout.agent_kwargs over them."""
+    rollout = cfg.actor_rollout_ref.rollout
+    options = {"max_turns": cfg.max_turns, "retriever": dataclasses.asdict(cfg.retriever)}
+    return AgentLoopSettings(max_tokens_per_turn=cfg.data.max_response_length, max_obs_length=cfg.data.max_obs_length,
+                             schedule=agent_schedule(rollout, device), admit_every_steps=rollout.admit_every_steps,
+                             options=options | dict(rollout.agent_kwargs or {}))
 
 
 class PolicyWorker:
@@ -116,34 +117,29 @@ class PolicyWorker:
 
     def setup(self, master_addr: str, master_port: int) -> None:
         from verl.workers.actor import Actor, Reference
-        from verl.workers.rollout.engines import HFEngine, VLLMEngine
-        from verl.workers.rollout.single_turn import load_agent_loop
+        from verl.workers.rollout.engines import create_engine
+        from verl.workers.rollout.agent_loop import load_agent_loop
 
         cfg, arr = self.cfg, self.cfg.actor_rollout_ref
         torch.manual_seed(cfg.trainer.seed + self.rank)
         _init_process_group(self.rank, self.sizes.world, master_addr, master_port, self.device)
         path = arr.model.path
         rollout = arr.rollout
-        budget = cfg.data.max_prompt_length + (cfg.max_turns + 1) * cfg.data.max_response_length + \
-            cfg.max_turns * cfg.data.max_obs_length
+        agent_cls, settings = load_agent_loop(rollout.agent_loop), agent_loop_settings(cfg, self.device)
+        budget = cfg.data.max_prompt_length + agent_cls.max_response_tokens(settings)
+        vllm_kw = {}
         if rollout.name == "vllm":
             separate = separate_engine_core(rollout, self.device)
-            self.engine = VLLMEngine(path, seed=cfg.trainer.seed + self.rank,
-                                     gpu_memory_utilization=rollout.gpu_memory_utilization,
-                                     max_model_len=rollout.max_model_len or budget,
-                                     enable_sleep_mode=rollout.enable_sleep and self.device == "cuda",
-                                     enforce_eager=rollout.enforce_eager,
-                                     tensor_parallel_size=rollout.tensor_model_parallel_size,
-                                     separate_core=separate,
-                                     **vllm_engine_kwargs(rollout, self.sizes.world, separate, self.device))
-        elif rollout.name == "hf":
-            self.engine = HFEngine(path, device=self.device,
-                                   dtype="bfloat16" if self.device == "cuda" else "float32",
-                                   seed=cfg.trainer.seed + self.rank)
-        else:
-            raise ValueError(f"actor_rollout_ref.rollout.name={rollout.name!r}: use vllm or hf")
+            vllm_kw = dict(gpu_memory_utilization=rollout.gpu_memory_utilization,
+                           max_model_len=rollout.max_model_len or budget,
+                           enable_sleep_mode=rollout.enable_sleep and self.device == "cuda",
+                           enforce_eager=rollout.enforce_eager,
+                           tensor_parallel_size=rollout.tensor_model_parallel_size, separate_core=separate,
+                           **vllm_engine_kwargs(rollout, self.sizes.world, separate, self.device))
+        self.engine = create_engine(rollout.name, path, device=self.device, seed=cfg.trainer.seed + self.rank,
+                                    key="actor_rollout_ref.rollout.name", **vllm_kw)
         self.tokenizer = self.engine.tokenizer
-        self.agent = load_agent_loop(rollout.agent_loop)(self.engine, **agent_loop_kwargs(cfg, self.device))
+        self.agent = agent_cls(self.engine, settings)
         a = arr.actor
         self.actor = Actor(arr.model, a, micro_batch_size=self.sizes.micro_batch_trajectories_per_worker,
                            total_steps=self.total_steps, temperature=rollout.temperature,
@@ -180,7 +176,7 @@ class PolicyWorker:
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         batch = pack_trajectories(prompts, [t.response_ids for t in trajectories],
                                   [t.loss_mask for t in trajectories], group_ids, pad)
-        batch.info = {"stats": [t.stats() for t in trajectories],
+        batch.info = {"stats": [t.stats() for t in trajectories],  # TrajectoryStats
                       "response_ids": [list(t.response_ids) for t in trajectories],
                       "loss_mask": [list(t.loss_mask) for t in trajectories]}
         return batch

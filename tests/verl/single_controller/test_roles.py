@@ -3,7 +3,7 @@ out of GPU memory. The failing engine is a stand-in: running a real GPU out of m
 what a CPU test can do."""
 import pytest
 
-from verl.single_controller.workers import PolicyWorker, agent_schedule, separate_engine_core, vllm_engine_kwargs
+from verl.single_controller.roles import PolicyWorker, agent_schedule, separate_engine_core, vllm_engine_kwargs
 from verl.trainer.config import RolloutConfig, TrainerConfig
 
 

@@ -8,7 +8,7 @@ import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from verl.workers.rollout.engines import Generation, HFEngine, SamplingConfig, VLLMEngine
-from search_r1.models import make_tiny_model, materialize_smollm2
+from search_r1.local_models import make_tiny_model, materialize_smollm2
 
 
 def weights_digest(model_dir) -> str:
