@@ -76,6 +76,15 @@ def _unresponsive(cfg: RetrieverConfig, error: Exception) -> RetrievalError:
                           f"within {cfg.connect_timeout_s:g} s; is the server alive (not stopped or frozen)?")
 
 
+def _answer(cfg: RetrieverConfig, r: httpx.Response, n_queries: int) -> list[list[dict]] | None:
+    """The hits of a 200; None for a status worth retrying (overload, restart); an error otherwise."""
+    if r.status_code == 200:
+        return _parse(r, n_queries)
+    if r.status_code not in RETRY_STATUS:
+        raise RetrievalError(f"retrieval at {cfg.url} refused the request: HTTP {r.status_code}: {r.text[:300]}")
+    return None
+
+
 def _error(cfg, attempts, last) -> RetrievalError:
     what = (f"HTTP {last.status_code}: {last.text[:200]}" if isinstance(last, httpx.Response)
             else f"{type(last).__name__}: {last}")
@@ -105,13 +114,9 @@ class RetrievalClient:
         last = None
         for attempt in range(self.cfg.retries + 1):
             try:
-                r = self.http.post(self.cfg.url, json=body)
-                if r.status_code == 200:
-                    return _parse(r, len(queries))
-                if r.status_code not in RETRY_STATUS:
-                    raise RetrievalError(f"retrieval at {self.cfg.url} refused the request: "
-                                         f"HTTP {r.status_code}: {r.text[:300]}")
-                last = r
+                last = self.http.post(self.cfg.url, json=body)
+                if (hits := _answer(self.cfg, last, len(queries))) is not None:
+                    return hits
             except httpx.TransportError as e:
                 last = e
                 if isinstance(e, httpx.TimeoutException) and not self._answers():
@@ -160,13 +165,9 @@ class AsyncRetrievalClient:
         last = None
         for attempt in range(self.cfg.retries + 1):
             try:
-                r = await self.http.post(self.cfg.url, json=body)
-                if r.status_code == 200:
-                    return _parse(r, len(queries))
-                if r.status_code not in RETRY_STATUS:
-                    raise RetrievalError(f"retrieval at {self.cfg.url} refused the request: "
-                                         f"HTTP {r.status_code}: {r.text[:300]}")
-                last = r
+                last = await self.http.post(self.cfg.url, json=body)
+                if (hits := _answer(self.cfg, last, len(queries))) is not None:
+                    return hits
             except httpx.TransportError as e:
                 last = e
                 if isinstance(e, httpx.TimeoutException) and not await self._answers():
