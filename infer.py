@@ -36,6 +36,34 @@ def colourise(text: str, state: list[str], enabled: bool) -> str:
     return "".join(out)
 
 
+def retriever_problem(url: str) -> str | None:
+    """None when the retrieval server at `url` answers its health check; else what is wrong."""
+    import httpx
+    try:
+        r = httpx.get(url.rsplit("/", 1)[0] + "/health", timeout=3)
+    except httpx.TransportError as e:
+        return f"no retrieval server answers at {url} ({type(e).__name__})"
+    return None if r.status_code == 200 else f"the retrieval server at {url} is not healthy (HTTP {r.status_code})"
+
+
+def start_hints(args) -> list[str]:
+    """What to tell the user before the model loads: a missing server, the untrained default model."""
+    hints = []
+    if problem := retriever_problem(args.retriever_url):
+        from search_r1.data.bundled import bundled_paths
+        corpus = bundled_paths()["corpus"]
+        hints.append(f"warning: {problem}: every search will fail, and the model can only answer from what it "
+                     f"knows. Serve the bundled corpus first, e.g.\n"
+                     f"  search-r1 index build --type bm25 --corpus_path {corpus} --out outputs/bundled_bm25\n"
+                     f"  search-r1 serve --retriever_name bm25 --index_path outputs/bundled_bm25 --corpus_path {corpus}")
+    if args.model is None:
+        trained = os.path.join("outputs", "demo", "run", "hf_actor")
+        hint = (f"; the demo's trained model is at {trained}: --model {trained}"
+                if os.path.isdir(trained) else "; `make demo` trains one")
+        hints.append(f"note: no --model, so the untrained bundled SmolLM2-135M-Instruct answers{hint}")
+    return hints
+
+
 def build_parser():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -58,6 +86,8 @@ def main(argv=None) -> int:
     from search_r1.cli import normalize_flags
     args = build_parser().parse_args(normalize_flags(sys.argv[1:] if argv is None else list(argv)))
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    for hint in start_hints(args):
+        print(hint, file=sys.stderr, flush=True)
     import torch
 
     from verl.workers.rollout.engines import HFEngine, SamplingConfig, VLLMEngine

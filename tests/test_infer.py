@@ -29,3 +29,22 @@ def test_infer_question_and_interactive(tiny_model_dir, dense_server):
                        timeout=300, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.count("answer:") == 1 and "Ask a question" in r.stdout
+
+
+def test_start_hints_name_a_missing_server_and_the_untrained_model(tmp_path, monkeypatch):
+    import socket
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{s.getsockname()[1]}/retrieve"
+    monkeypatch.chdir(tmp_path)
+    args = infer.build_parser().parse_args(["--retriever-url", url])
+    warning, note = infer.start_hints(args)
+    assert f"no retrieval server answers at {url}" in warning and "search-r1 serve --retriever_name bm25" in warning
+    assert "untrained bundled SmolLM2" in note and "make demo" in note
+    (tmp_path / "outputs" / "demo" / "run" / "hf_actor").mkdir(parents=True)
+    assert "--model outputs/demo/run/hf_actor" in infer.start_hints(args)[1]
+
+
+def test_no_hints_with_a_healthy_server_and_a_model(dense_server):
+    args = infer.build_parser().parse_args(["--model", "m", "--retriever-url", dense_server.url + "/retrieve"])
+    assert infer.start_hints(args) == []
