@@ -203,7 +203,20 @@ def grpo_overrides(size: Preset, train: Path, test: Path, model: Path, url: str,
             f"trainer.save_freq={size.grpo_steps}", f"trainer.test_freq={size.test_freq}",
             "trainer.val_before_train=true", "trainer.single_process=true",
             "trainer.logger=[console,jsonl]", f"trainer.default_local_dir={run_dir}",
+            "trainer.project_name=search_r1_demo", "trainer.experiment_name=demo-smollm2-135m-grpo",
             f"hydra.run.dir={run_dir / 'hydra'}"]
+
+
+def final_samples(predictions: Path, dest: Path) -> None:
+    """The final model's evaluation as trajectories for the report (the trainer's own samples are
+    its validations, the last of which may come before the last step)."""
+    rows = [json.loads(line) for line in predictions.read_text(encoding="utf-8").splitlines() if line.strip()]
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with open(dest, "w", encoding="utf-8") as f:
+        for r in rows:
+            f.write(json.dumps({"data_source": r["data_source"], "ground_truth": {"target": r["golds"]},
+                                "response": r["response"], "reward": r["em"], "finish": r["finish"],
+                                "searches": r["searches"], "turns": r["turns"]}, ensure_ascii=False) + "\n")
 
 
 def learning_curve(run_dir: Path) -> list[dict]:
@@ -355,6 +368,7 @@ def main(argv=None) -> int:
             src = out / name / "eval_search.json"
             if src.exists():
                 (run_dir / f"eval_{name.removeprefix('eval_')}.json").write_text(src.read_text())
+        final_samples(out / "eval_grpo" / "predictions_search.jsonl", run_dir / "samples" / "final_model_eval.jsonl")
         run([sys.executable, "-m", "search_r1.cli", "report", run_dir], log("report"))
         curve = learning_curve(run_dir)
         (run_dir / "curve.json").write_text(json.dumps(

@@ -68,8 +68,8 @@ def write_report(run_dir, out=None) -> Path:
                                 f"(trainer.default_local_dir), with trainer.logger including jsonl")
     rows = read_metrics(metrics_path)
     config = _read_yaml(run_dir / "config.yaml")
-    body = [_header(run_dir, config, rows), _stages_section(run_dir), _eval_section(run_dir),
-            _charts_section(rows), _timing_section(rows), _samples_section(run_dir / "samples")]
+    body = [_header(run_dir, config, rows), _stages_section(run_dir), _charts_section(rows),
+            _eval_section(run_dir), _timing_section(rows), _samples_section(run_dir / "samples")]
     title = escape(f"Search-R1 report: {_get(config, 'trainer.experiment_name') or run_dir.name}")
     page = (f"<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\"><title>{title}</title>"
             f"<style>{CSS}</style></head>\n<body>\n{''.join(body)}<script>{JS}</script>\n</body></html>\n")
@@ -152,7 +152,13 @@ def _header(run_dir: Path, config: dict, rows: list[dict]) -> str:
         out.append('<p class="note">metrics.jsonl has no rows yet: the run has not finished a step.</p>')
     else:
         latest = []
-        for key, label in [("reward/mean", "reward"), ("reward/em", "EM"), ("val/reward/em", "validation EM")]:
+        stages = _stages(run_dir)
+        if len(stages) > 1 and all(_is_number(s.get("em")) for s in stages):
+            questions = stages[0].get("questions")
+            latest.append("EM " + " → ".join(f"{s.get('stage', '?')} {s['em']:.3f}" for s in stages) +
+                          (f" on {questions} test questions" if questions else ""))
+        for key, label in [("val/reward/em", "validation EM"), ("reward/mean", "training reward (sampled)"),
+                           ("reward/em", "training EM (sampled)")]:
             s = series(rows, key)
             if s:
                 best = max(s, key=lambda p: p[1])
@@ -161,7 +167,7 @@ def _header(run_dir: Path, config: dict, rows: list[dict]) -> str:
         if steps:
             latest.append(f"{sum(steps) / len(steps):.1f} s per step")
         if latest:
-            out.append(f'<p class="latest">Latest: {escape(" · ".join(latest))}</p>')
+            out.append("".join(f'<p class="latest">{escape(line)}</p>' for line in latest))
     return "".join(out) + "</header>\n"
 
 
@@ -316,15 +322,21 @@ def _bar_cell(fraction: float, colour: str) -> str:
 
 # -- stages and evaluation tables --------------------------------------------------------------------
 
+def _stages(run_dir: Path) -> list[dict]:
+    """The stages of stages.json (the demo writes it: EM before, after SFT, after GRPO), or []."""
+    data, _ = _read_json(run_dir / "stages.json") if (run_dir / "stages.json").is_file() else (None, None)
+    if isinstance(data, dict):
+        data = data.get("stages")
+    return [s for s in data if isinstance(s, dict)] if isinstance(data, list) else []
+
+
 def _stages_section(run_dir: Path) -> str:
     path = run_dir / "stages.json"
     if not path.is_file():
         return ""
-    data, error = _read_json(path)
-    if isinstance(data, dict):
-        data = data.get("stages")
+    _, error = _read_json(path)
     head = "<section><h2>EM after each stage</h2>"
-    stages = [s for s in data or [] if isinstance(s, dict)] if isinstance(data, list) else []
+    stages = _stages(run_dir)
     if error or not stages:
         return head + f'<p class="note">{escape(error or "stages.json holds no stages.")}</p></section>\n'
     columns = ["stage", "em"] + [k for k in dict.fromkeys(k for s in stages for k in s) if k not in ("stage", "em")]
@@ -371,12 +383,22 @@ def _eval_section(run_dir: Path) -> str:
         if error or not table:
             out.append(f'<p class="note">{escape(error or "no numeric fields in this file.")}</p>')
             continue
-        columns = list(dict.fromkeys(c for row in table.values() for c in row))
-        out.append("<table><tr><th></th>" + "".join(f"<th>{escape(c)}</th>" for c in columns) + "</tr>")
-        for name, row in table.items():
-            out.append(f"<tr><td>{escape(name)}</td>" + "".join(
-                f'<td class="num">{_fmt(row[c]) if c in row else ""}</td>' for c in columns) + "</tr>")
-        out.append("</table>")
+        # Rows of metrics (macro, per_source/…) in a table, metric columns in EVAL_METRICS order; the
+        # run's settings and speed (the file's top-level numbers) folded below it.
+        settings = table.pop("(top level)", {})
+        if table:
+            found = list(dict.fromkeys(c for row in table.values() for c in row))
+            columns = [c for c in EVAL_METRICS if c in found] + [c for c in found if c not in EVAL_METRICS]
+            out.append('<table class="eval"><tr><th></th>' + "".join(f"<th>{escape(c)}</th>" for c in columns) +
+                       "</tr>")
+            for name, row in table.items():
+                out.append(f"<tr><td>{escape(name)}</td>" + "".join(
+                    f'<td class="num">{_fmt(row[c]) if c in row else ""}</td>' for c in columns) + "</tr>")
+            out.append("</table>")
+        if settings:
+            out.append("<details><summary>settings and speed</summary><table>" + "".join(
+                f'<tr><td>{escape(k)}</td><td class="num">{_fmt(v)}</td></tr>' for k, v in settings.items()) +
+                "</table></details>")
     return "".join(out) + "</section>\n"
 
 
@@ -454,9 +476,9 @@ def _trajectory(i: int, t: dict, open_: bool) -> str:
 
 
 def _sample_files(samples_dir: Path) -> list[Path]:
-    def key(p):  # by the step in the name (val_step_12), so 12 comes after 9
-        m = re.search(r"(\d+)$", p.stem)
-        return (int(m.group(1)) if m else -1, p.name)
+    def key(p):  # by the step in the name (val_step_12), so 12 comes after 9; files without a step (the
+        m = re.search(r"(\d+)$", p.stem)  # demo's evaluation of the final model) after every step
+        return (0, int(m.group(1)), p.name) if m else (1, 0, p.name)
     return sorted(samples_dir.glob("*.jsonl"), key=key)
 
 
@@ -504,6 +526,9 @@ def _samples_section(samples_dir: Path) -> str:
         out.append("</div>")
     return "".join(out) + "</section>\n"
 
+
+# Metric columns of the evaluation tables, in this order; others follow.
+EVAL_METRICS = ["em", "f1", "cover_em", "answer_rate", "searches", "turns", "response_tokens"]
 
 CSS = """
 body{font:14px/1.45 system-ui,sans-serif;margin:16px 24px;color:#222;background:#fff}

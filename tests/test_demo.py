@@ -32,6 +32,7 @@ def test_demo_small(tmp_path):
     assert [s["stage"] for s in stages] == ["before", "after SFT", "after GRPO"]
     assert (out / "run" / "report.html").stat().st_size > 10_000
     assert (out / "run" / "hf_actor" / "config.json").exists()
+    assert (out / "run" / "samples" / "final_model_eval.jsonl").stat().st_size > 0  # the final model in the report
     # the retrieval server ran without crashing (the demo stops it on exit)
     log = (out / "retrieval_server.log").read_text()
     assert "Traceback" not in log

@@ -65,8 +65,9 @@ def make_run(root: Path) -> Path:
         with open(run / "samples" / f"val_step_{step}.jsonl", "w") as f:
             f.writelines(json.dumps(trajectory(step, i)) + "\n" for i in range(30))
     (run / "eval_nq.json").write_text(json.dumps(
-        {"model": "hf_actor", "per_source": {"nq": {"em": 0.41, "f1": 0.5, "n": 100},
-                                             "hotpotqa": {"em": 0.3, "f1": 0.38, "n": 100}},
+        {"model": "hf_actor", "gpu_memory_utilization": 0.8, "max_obs_length": 500, "generate_s": 12.5,
+         "per_source": {"nq": {"n": 100, "searches": 1.2, "f1": 0.5, "em": 0.41},
+                        "hotpotqa": {"n": 100, "searches": 1.9, "f1": 0.38, "em": 0.3}},
          "macro": {"em": 0.355}}))
     (run / "stages.json").write_text(json.dumps(
         [{"stage": "before", "em": 0.05}, {"stage": "after SFT", "em": 0.2},
@@ -136,12 +137,36 @@ def test_header_and_charts(run_dir):
     assert "per_source/nq" in html and "macro" in html and "0.355" in html
 
 
+def test_the_header_leads_with_stage_and_validation_em(run_dir):
+    html = write_report(run_dir).read_text()
+    lines = re.findall(r'<p class="latest">(.*?)</p>', html)
+    assert lines[0] == "EM before 0.050 → after SFT 0.200 → after GRPO 0.410"
+    assert lines[1].startswith("validation EM ") and "training reward (sampled)" in lines[2]
+
+
+def test_evaluation_tables_show_metrics_first_and_fold_the_settings(run_dir):
+    html = write_report(run_dir).read_text()
+    table = re.search(r'<table class="eval">(.*?)</table>', html).group(1)
+    headers = re.findall(r"<th>(.*?)</th>", table)
+    assert headers[1:4] == ["em", "f1", "searches"] and "n" in headers  # the first names the rows
+    assert "gpu_memory_utilization" not in table  # a setting, not a metric row or column
+    folded = re.search(r"<details><summary>settings and speed</summary>(.*?)</details>", html).group(1)
+    assert "gpu_memory_utilization" in folded and "generate_s" in folded
+
+
+def test_the_final_models_evaluation_comes_after_every_step(run_dir):
+    (run_dir / "samples" / "final_model_eval.jsonl").write_text(json.dumps(trajectory(10, 0)) + "\n")
+    html = write_report(run_dir).read_text()
+    options = re.findall(r'<option value="samples-\d+">(.*?)</option>', html)
+    assert options[0] == "final model eval"  # the newest first, and shown
+
+
 def test_trajectories_split_and_escaped(run_dir):
     html = write_report(run_dir).read_text()
     tags = parse(html)
     # oldest and newest samples only, 48 trajectories at most
     assert "val step 0" in html and "val step 10" in html and "val step 5" not in html
-    assert sum(t == "details" for t, _ in tags.tags) == report.MAX_TRAJECTORIES
+    assert sum(t == "details" and a.get("class") == "traj" for t, a in tags.tags) == report.MAX_TRAJECTORIES
     classes = [a.get("class") for t, a in tags.tags if t == "span"]
     for cls in ["seg seg-think", "seg seg-search", "seg seg-info", "seg seg-answer"]:
         assert classes.count(cls) >= report.MAX_TRAJECTORIES, cls
@@ -267,13 +292,14 @@ def colour_bands(pixels: np.ndarray, hex_colour: str, min_pixels: int = 20) -> i
 # The open trajectory sits ~2,350 px down with this machine's fonts; other font sets wrap the header
 # and tables differently, so the window leaves a generous margin below it.
 SHOT_HEIGHT = 3600
+SHOT_WIDTH = 1400  # a laptop's browser window
 
 
 def run_chromium(chromium: str, tmp_path: Path, *flags: str, page: Path) -> str:
     return subprocess.run(
         [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
          "--disable-background-networking", "--disable-component-update", "--disable-sync",
-         f"--user-data-dir={tmp_path / 'profile'}", f"--window-size=1280,{SHOT_HEIGHT}", *flags, page.as_uri()],
+         f"--user-data-dir={tmp_path / 'profile'}", f"--window-size={SHOT_WIDTH},{SHOT_HEIGHT}", *flags, page.as_uri()],
         check=True, timeout=60, capture_output=True, text=True).stdout
 
 
@@ -285,7 +311,7 @@ def test_renders_in_headless_chromium(run_dir, tmp_path):
     shot = tmp_path / "report.png"
     run_chromium(chromium, tmp_path, f"--screenshot={shot}", page=page)
     pixels = read_png(shot)
-    assert pixels.shape == (SHOT_HEIGHT, 1280, 3)
+    assert pixels.shape == (SHOT_HEIGHT, SHOT_WIDTH, 3)
     # The first series colour draws a line in every chart: far more pixels than its legend swatches.
     assert count_colour(pixels, report.PALETTE[0]) > 1000
     # The first trajectory of the shown step is open, so each kind of segment is on screen below the
