@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 
 import ray
 from ray.util.placement_group import placement_group
@@ -27,8 +28,14 @@ class WorkerDied(RuntimeError):
 
 
 def start_ray(address: str | None, device: str):
+    """Join the cluster at `address`, or start one on this node. Ray authenticates every client with
+    the cluster's token (on by default; ~/.ray/auth_token): its ports, open on the node's network
+    interfaces, serve no one else. RAY_AUTH_MODE=disabled turns that off, with a warning."""
     if ray.is_initialized():
         return
+    if os.environ.get("RAY_AUTH_MODE") == "disabled":
+        log.warning("RAY_AUTH_MODE=disabled: the Ray cluster's ports accept any client that reaches this "
+                    "node; leave token authentication on outside a private network")
     env = {"env_vars": {**WORKER_ENV, **{k: v for k, v in os.environ.items()
                                          if k.startswith(("HF_", "WANDB_", "PYTHONPATH", "VLLM_"))}}}
     if address:
@@ -45,8 +52,23 @@ def start_ray(address: str | None, device: str):
                 "here and on every node that joins, with the head's ~/.ray/auth_token copied to each "
                 "(or RAY_AUTH_TOKEN set)") from e
     else:
+        if leftovers := leftover_workers():
+            log.warning("worker processes of an earlier run are still alive on this node (PIDs %s; their driver "
+                        "was killed?) and may hold GPU memory: `ray stop --force` ends them", leftovers)
         ray.init(runtime_env=env, include_dashboard=False, log_to_driver=True,
                  num_cpus=max(os.cpu_count() or 1, 4))
+
+
+def leftover_workers(titles: tuple[bytes, ...] = (b"ray::PolicyWorker", b"ray::CriticWorker")) -> list[int]:
+    """PIDs of this node's processes that Ray titled as one of our workers (Linux /proc; [] elsewhere)."""
+    pids = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            if (proc / "cmdline").read_bytes().startswith(titles):
+                pids.append(int(proc.name))
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+    return sorted(pids)
 
 
 class WorkerGroup:
