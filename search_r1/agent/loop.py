@@ -82,6 +82,7 @@ class Trajectory:
     prompt_ids: list[int]
     response_ids: list[int] = field(default_factory=list)
     loss_mask: list[int] = field(default_factory=list)   # 1 = model token, 0 = observation
+    index: int = 0                                        # its prompt's position in the run
     finish: Finish | None = None
     turns: int = 0
     searches: int = 0
@@ -212,13 +213,17 @@ class SearchAgent:
         self.on_event(t, "observation", ids)
 
     def _sampling(self, t: Trajectory, base: SamplingConfig) -> SamplingConfig:
+        """The settings of t's next turn: max_tokens cut to the room left; with a seed, one of its own
+        for each trajectory and turn, so a run (and a resumed run) samples the same tokens whatever
+        the order in which turns reach the engine."""
         room = self.cfg.max_response_tokens - len(t.response_ids)
-        return replace(base, max_tokens=max(1, min(base.max_tokens, room)))  # keeps seed, logit_bias
+        seed = None if base.seed is None else (base.seed + 1_009 * t.index + t.turns) % 2**31
+        return replace(base, max_tokens=max(1, min(base.max_tokens, room)), seed=seed)  # keeps logit_bias
 
     # -- schedules ----------------------------------------------------------------------------
 
     def run(self, prompts: list[list[int]], sampling: SamplingConfig) -> list[Trajectory]:
-        trajectories = [Trajectory(list(p)) for p in prompts]
+        trajectories = [Trajectory(list(p), index=i) for i, p in enumerate(prompts)]
         if self.cfg.schedule == Schedule.ASYNC:
             asyncio.run(self._run_async(trajectories, sampling))
         elif self.cfg.schedule == Schedule.CONTINUOUS:

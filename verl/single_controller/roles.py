@@ -167,11 +167,14 @@ class PolicyWorker:
             self._asleep = False
 
     def generate(self, prompts: list[list[int]], group_ids: list[int], temperature: float,
-                 top_p: float, max_tokens: int) -> RolloutBatch:
+                 top_p: float, max_tokens: int, seed: int | None = None) -> RolloutBatch:
+        """The agent loop over `prompts`; `seed` (the step's, for this worker) makes its samples the
+        same in a resumed run as in an uninterrupted one (vLLM on CPU ignores it)."""
         from verl.workers.rollout.engines import SamplingConfig
         self.wake_rollout()
         bias = self.cfg.actor_rollout_ref.rollout.logit_bias or None
-        trajectories = self.agent.run(prompts, SamplingConfig(temperature, top_p, max_tokens, logit_bias=bias))
+        trajectories = self.agent.run(prompts, SamplingConfig(temperature, top_p, max_tokens, seed=seed,
+                                                              logit_bias=bias))
         self.sleep_rollout()
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         batch = pack_trajectories(prompts, [t.response_ids for t in trajectories],

@@ -118,9 +118,11 @@ class PPOTrainer:
         per = -(-len(rows) // world)
         r = self.cfg.actor_rollout_ref.rollout
         temperature, top_p = (0.0, 1.0) if greedy else (r.temperature, r.top_p)
+        # One seed per step and worker, from trainer.seed: a resumed step samples what it would have.
+        seed = (self.cfg.trainer.seed * 1_000_003 + (self.step + 1) * 10_007) % 2**31
         refs = [w.generate.remote([e.prompt_ids for e in rows[i * per:(i + 1) * per]],
                                   [e.index for e in rows[i * per:(i + 1) * per]],
-                                  temperature, top_p, self.cfg.data.max_response_length)
+                                  temperature, top_p, self.cfg.data.max_response_length, (seed + 100_003 * i) % 2**31)
                 for i, w in enumerate(self.policy.workers) if rows[i * per:(i + 1) * per]]
         batch = RolloutBatch.concat(self.policy.get(refs, "rollout", self.step))
         batch.info["data_source"] = [e.data_source for e in rows]
@@ -279,6 +281,7 @@ class PPOTrainer:
                 continue
             self.step = state["step"]
             self.sampler.restore(state["sampler"])
+            self.trim_data_order()
             self.kl_ctrl.value = state.get("kl_coef", self.kl_ctrl.value)
             log.info("resumed from step %d (%s)", step, root)
             return
@@ -287,6 +290,18 @@ class PPOTrainer:
                 f"No checkpoint under {root} verifies: {'; '.join(failed)}. To start fresh, set "
                 f"trainer.resume_mode=disable (the checkpoints are left as they are) or a new "
                 f"trainer.default_local_dir.")
+
+    def trim_data_order(self) -> None:
+        """Drop the data_order.jsonl lines of steps after the one resumed from: those steps are
+        trained again, and each step is to be listed once."""
+        path = os.path.join(self.out_dir, "data_order.jsonl")
+        if not os.path.exists(path):
+            return
+        with open(path) as f:
+            kept = [line for line in f if line.strip() and json.loads(line)["step"] <= self.step]
+        with open(path + ".tmp", "w") as f:
+            f.writelines(kept)
+        os.replace(path + ".tmp", path)
 
     def stop_if_not_finite(self, metrics: dict) -> None:
         """End the run at a step whose loss or gradient norm is nan or inf, before it is validated or

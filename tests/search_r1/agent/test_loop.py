@@ -2,12 +2,13 @@
 retriever down or slow) and with the real vLLM CPU engine against a real retrieval server."""
 import asyncio
 import time
+from dataclasses import replace
 
 import pytest
 
 from verl.workers.rollout.engines import Generation, SamplingConfig
 from search_r1.agent.loop import (INVALID_ACTION, SEARCH_FAILED, AgentConfig, Finish, HTTPSearcher,
-                                  Schedule, SearchAgent)
+                                  Schedule, SearchAgent, Trajectory)
 from search_r1.local_models import load_smollm2_tokenizer
 from search_r1.retrieval.client import RetrieverConfig
 from conftest import free_port, vllm_skip_reason
@@ -331,3 +332,18 @@ def test_logit_bias_reaches_the_engine(tiny_model_dir, schedule):
     for trajectories, length in ((agent.run(prompts, sampling), 12), (trainer_loop.run(prompts, sampling), 6)):
         for t in trajectories:
             assert t.response_ids == [token] * length and t.finish == Finish.LENGTH
+
+
+def test_each_trajectory_and_turn_samples_with_a_seed_of_its_own(tokenizer):
+    """Seeds follow the trajectory's place in the run and its turn, not the order in which turns
+    reach the engine: a resumed step draws what the uninterrupted one drew."""
+    agent = SearchAgent(ScriptedEngine(tokenizer, {}), DictSearcher(), AgentConfig())
+    base = SamplingConfig(temperature=1.0, max_tokens=64, seed=7)
+    first, second = Trajectory([1], index=0), Trajectory([1], index=1)
+    seeds = {agent._sampling(first, base).seed, agent._sampling(second, base).seed}
+    first.turns = 1
+    seeds.add(agent._sampling(first, base).seed)
+    assert len(seeds) == 3
+    again = SearchAgent(ScriptedEngine(tokenizer, {}), DictSearcher(), AgentConfig())
+    assert again._sampling(first, base).seed == agent._sampling(first, base).seed
+    assert agent._sampling(first, replace(base, seed=None)).seed is None

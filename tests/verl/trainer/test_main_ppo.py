@@ -157,3 +157,20 @@ def test_grpo_with_the_hf_rollout_engine(tiny_model_dir, bundled_data, bm25_serv
     rows, _ = train(args, tmp_path / "hf")
     assert [r["step"] for r in rows] == [1, 2]
     assert all(r["grad_norm"] > 0 and "timing_s/weight_sync" in r for r in rows)
+
+
+def test_a_resumed_step_samples_what_the_uninterrupted_run_sampled(tiny_model_dir, bundled_data, bm25_server,
+                                                                    tmp_path):
+    """Sampling is seeded per step, trajectory and turn (transformers honours the seeds; vLLM on CPU
+    cannot): step 2 after a resume generates the tokens that step 2 of an uninterrupted run did."""
+    args = common(tiny_model_dir, bundled_data, bm25_server) + [
+        "algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.name=hf", "trainer.single_process=true",
+        "trainer.n_gpus_per_node=1", "trainer.val_before_train=false", "trainer.save_freq=1",
+        "trainer.export_hf_on_save=false"]
+    straight, _ = train(args + ["trainer.total_training_steps=2"], tmp_path / "straight")
+    train(args + ["trainer.total_training_steps=1"], tmp_path / "resumed")
+    resumed, _ = train(args + ["trainer.total_training_steps=2"], tmp_path / "resumed")
+    keys = ["response/length", "response/model_tokens", "agent/searches", "reward/mean"]
+    assert [resumed[-1][k] for k in keys] == [straight[-1][k] for k in keys]
+    assert straight[0]["response/length"] != straight[1]["response/length"] or \
+        straight[0]["reward/mean"] != straight[1]["reward/mean"]  # the steps sampled differently

@@ -60,3 +60,12 @@ def test_a_retriever_that_is_down_stops_the_trainer_at_start_up(tmp_path):
                         f"hydra.run.dir={tmp_path}"], cwd=ROOT, capture_output=True, text=True, timeout=180)
     assert r.returncode == 2, r.stderr[-2000:]
     assert "start-up check failed" in r.stderr and url in r.stderr
+
+
+def test_a_resumed_run_lists_each_step_once_in_data_order(tmp_path):
+    import json
+    lines = [json.dumps({"step": s, "indices": [s]}) + "\n" for s in (1, 2, 3)]
+    (tmp_path / "data_order.jsonl").write_text("".join(lines))
+    resumed = SimpleNamespace(out_dir=str(tmp_path), step=2)  # step 3 ran but was not saved
+    PPOTrainer.trim_data_order(resumed)
+    assert [json.loads(l)["step"] for l in (tmp_path / "data_order.jsonl").read_text().splitlines()] == [1, 2]

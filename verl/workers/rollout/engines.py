@@ -290,8 +290,9 @@ class VLLMEngine:
         from vllm.sampling_params import RequestOutputKind
 
         n = next(self._request_ids)
-        seed = _request_seed(sampling, self.on_cpu)
-        params = _vllm_sampling_params(sampling, stop, None if seed is None else seed + n)
+        # The caller's seed is this request's: give each request its own (the agent loop does, per
+        # trajectory and turn), so that samples do not depend on how many requests came before.
+        params = _vllm_sampling_params(sampling, stop, _request_seed(sampling, self.on_cpu))
         params.output_kind = RequestOutputKind.FINAL_ONLY  # only the finished request is needed
         request_id = f"turn-{n}"
         # Outputs (and abort_request) carry this id; newer vLLM also returns an internal one we ignore.
