@@ -9,7 +9,9 @@ bad request never fails the others. For retrievers with two stages (the dense on
 pipelined by default (`pipeline`): one thread encodes a batch while a second looks up the batch
 encoded before it, each stage owned by its thread. The queue is bounded (`max_pending` queries):
 past it the server answers 503 with Retry-After instead of growing memory; an empty queue takes a
-request of any allowed size whole. With `--worker_process` the retriever itself lives in a child
+request of any allowed size whole. A request that says how long its client waits (`X-Timeout-S`)
+is also refused with 503 when the queries ahead of it, at the rate the worker has been answering,
+would outlast that wait: the queue holds what the server can answer in time, however fast it is. With `--worker_process` the retriever itself lives in a child
 process (`worker_process.ProcessRetriever`) and the worker thread only passes batches to it.
 
 Differences from the original server:
@@ -39,6 +41,7 @@ import difflib
 import hmac
 import json
 import logging
+import math
 import os
 import queue
 import sys
@@ -152,6 +155,8 @@ class Batcher:
         self.jobs: queue.Queue[Job | None] = queue.Queue()
         self.pending = 0  # queries queued or in flight; changed under the lock
         self.lock = threading.Lock()
+        self.rate: float | None = None  # queries/s answered while busy (moving average), under the lock
+        self._last_done: float | None = None  # when the last batch was released, if work was left
         self.pipelined = cfg.pipeline and retriever.two_stage
         if self.pipelined:
             # One encoded batch waits at most: the encoder runs at most one batch ahead.
@@ -173,13 +178,16 @@ class Batcher:
     def alive(self) -> bool:
         return all(t.is_alive() for t in self.threads)
 
-    def submit(self, jobs: list[Job]) -> bool:
-        """Queue the jobs of one request, all or none."""
+    def submit(self, jobs: list[Job], wait_s: float | None = None) -> bool:
+        """Queue the jobs of one request, all or none. `wait_s`: how long its client waits."""
         n = sum(len(j.queries) for j in jobs)
         with self.lock:
             # An empty queue takes any request whole: one larger than max_pending (allowed up to
             # max_queries_per_request) would otherwise be refused forever.
             if self.pending and self.pending + n > self.cfg.max_pending:
+                return False
+            # Work that would expire in the queue is refused now, while the client can still go elsewhere.
+            if self.pending and wait_s is not None and self.rate and (self.pending + n) / self.rate > wait_s:
                 return False
             self.pending += n
             self.metrics.pending.set(self.pending)
@@ -215,7 +223,7 @@ class Batcher:
             return False
         self.metrics.expired.inc(len(job.queries))
         self._resolve(job, exc=Expired())
-        self._release([job])
+        self._release([job], searched=False)
         return True
 
     def _run(self):
@@ -285,9 +293,23 @@ class Batcher:
             else:
                 self._resolve(job, [h[:job.topk] for h in hits])
 
-    def _release(self, batch: list[Job]):
+    def expected_wait_s(self) -> float | None:
+        """Seconds the queued queries take at the measured rate (None before anything was measured)."""
         with self.lock:
-            self.pending -= sum(len(j.queries) for j in batch)
+            return self.pending / self.rate if self.rate else None
+
+    def _release(self, batch: list[Job], searched: bool = True):
+        n = sum(len(j.queries) for j in batch)
+        now = time.monotonic()
+        with self.lock:
+            # The rate counts only time the worker was busy: from one release to the next while
+            # work was queued (an idle gap would make the server look slower than it is); jobs
+            # dropped unsearched cost nothing and do not count.
+            if searched and self._last_done is not None and now > self._last_done and n:
+                sample = n / (now - self._last_done)
+                self.rate = sample if self.rate is None else 0.8 * self.rate + 0.2 * sample
+            self.pending -= n
+            self._last_done = now if self.pending else None
             self.metrics.pending.set(self.pending)
 
     @staticmethod
@@ -485,9 +507,11 @@ def create_app(retriever: Retriever, cfg: ServerConfig | None = None, name: str 
         loop = asyncio.get_running_loop()
         jobs = [Job(req.queries[lo:lo + cfg.max_batch], topk, loop.create_future(), loop, time.monotonic(), deadline)
                 for lo in range(0, len(req.queries), cfg.max_batch)]
-        if not batcher.submit(jobs):
+        if not batcher.submit(jobs, None if deadline is None else deadline - time.monotonic()):
             metrics.rejected.inc()
-            return error(503, "server busy: too many queued queries, retry later", **{"Retry-After": "1"})
+            wait = batcher.expected_wait_s()
+            return error(503, "server busy: the queued queries would outlast the wait, retry later",
+                         **{"Retry-After": str(max(1, math.ceil(wait or 1)))})
         parts = await _wait_unless_abandoned(request, jobs)
         if parts is None:  # the client went away; its queued jobs are dropped unsearched
             return error(499, "client disconnected")

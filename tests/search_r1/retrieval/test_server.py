@@ -503,3 +503,28 @@ def test_work_nobody_waits_for_is_not_searched(real_retriever):
         assert post(server, {"queries": ["capital of Japan"]}).status_code == 200  # no header: no deadline
     finally:
         server.stop()
+
+
+def test_work_that_would_expire_in_the_queue_is_refused_at_once(real_retriever):
+    """Admission by expected wait: once the server has measured how fast it answers, a request whose
+    X-Timeout-S the queue ahead of it would outlast gets 503 with Retry-After at once, instead of
+    queueing until 504; requests without the header queue as before."""
+    slow = Wrapped(real_retriever, delay=0.25)
+    server = ThreadServer(create_app(slow, ServerConfig(max_batch=1, max_wait_ms=0)))
+    try:
+        with ThreadPoolExecutor(6) as pool:  # measure the rate: a few searches back to back
+            assert all(r.status_code == 200 for r in pool.map(
+                lambda i: post(server, {"queries": [f"capital {i}"]}), range(6)))
+        with ThreadPoolExecutor(8) as pool:
+            started = time.monotonic()
+            answers = list(pool.map(lambda i: (post(server, {"queries": [f"river {i}"]},
+                                                     headers={"X-Timeout-S": "0.6"}), time.monotonic() - started),
+                                    range(8)))
+        codes = [(r.status_code, round(t, 2)) for r, t in answers]
+        refused = [r for r, _ in answers if r.status_code == 503]  # only admission answers 503 here
+        assert refused and "outlast" in refused[0].json()["error"], codes
+        assert int(refused[0].headers["Retry-After"]) >= 1
+        assert any(r.status_code == 200 for r, _ in answers), codes  # the first always gets in
+        assert len(slow.calls) <= 6 + len(answers) - len(refused), codes  # the refused were never searched
+    finally:
+        server.stop()
