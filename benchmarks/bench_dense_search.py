@@ -25,6 +25,7 @@ import time
 import torch
 
 from search_r1.retrieval import dense
+from synthetic_retrieval import make_vectors  # also the vectors of bench_server.py
 
 # Dense (no sparsity) peaks from the vendor data sheets, SXM parts.
 PEAKS = {"H100": {"fp16_tflops": 989.0, "hbm_tbps": 3.35}, "H200": {"fp16_tflops": 989.0, "hbm_tbps": 4.8}}
@@ -35,17 +36,6 @@ def device_peaks():
         return None
     name = torch.cuda.get_device_name()
     return next((v for k, v in PEAKS.items() if k in name), None)
-
-
-def make_vectors(n, d, device, dtype, seed=0, store=None):
-    """n random unit vectors, drawn on `device` and kept on `store` (default: the same device).
-    Drawing on a GPU and storing in host memory takes seconds at 21M rows; on CPU, minutes."""
-    g = torch.Generator(device=device).manual_seed(seed)
-    x = torch.empty((n, d), dtype=dtype, device=store or device)
-    for lo in range(0, n, 1 << 20):
-        c = torch.randn((min(1 << 20, n - lo), d), generator=g, device=device)
-        x[lo:lo + len(c)] = torch.nn.functional.normalize(c, dim=1).to(dtype).to(x.device)
-    return x
 
 
 def make_queries(x, b, seed=1):

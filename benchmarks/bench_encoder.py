@@ -16,7 +16,6 @@ weights of the e5-base shape with MiniLM's (BERT) tokenizer; weights do not chan
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import statistics
@@ -27,9 +26,10 @@ import numpy as np
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [os.path.dirname(HERE), HERE]  # the package, then the other benchmarks
+sys.path[:0] = [os.path.dirname(HERE), HERE]  # the package, then the benchmarks' shared modules
 
-from bench_server import WORDS, make_encoder_dir  # noqa: E402  (the server bench's queries and encoder)
+from result_rows import emit_row  # noqa: E402
+from synthetic_retrieval import make_encoder_dir, random_query  # noqa: E402  (bench_server.py's queries and encoder)
 
 
 def timed(fn, repeats: int, sync: bool) -> float:
@@ -74,7 +74,7 @@ def main(argv=None):
     rng = random.Random(0)
     name = torch.cuda.get_device_name() if gpu else "cpu"
     for b in batches:
-        texts = [" ".join(rng.choices(WORDS, k=rng.randint(*lo_hi))) for _ in range(b)]
+        texts = [random_query(rng, *lo_hi) for _ in range(b)]
         eager = encoders["eager"]
         prefixed = [spec.query_prefix + t for t in texts]
         tokenize_ms = timed(lambda: eager.tokenize(prefixed), a.repeats, sync=False)
@@ -97,10 +97,7 @@ def main(argv=None):
             if mode == "cuda_graphs":
                 row["graphs"] = len(enc.graphs.graphs)
                 row["capture_failed"] = enc.graphs.failed
-            print(json.dumps(row), flush=True)
-            if a.out:
-                with open(a.out, "a") as f:
-                    f.write(json.dumps(row) + "\n")
+            emit_row(row, a.out)
 
 
 if __name__ == "__main__":

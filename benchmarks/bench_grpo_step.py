@@ -1,9 +1,10 @@
 """Full GRPO steps through the real entry point, with time per phase.
 
-Builds a random-weight model of a given shape with SmolLM2's tokenizer, the bundled geography
-task as parquet, and a BM25 retrieval server over the bundled corpus; then runs
-`python -m verl.trainer.main_ppo` (search agent, vLLM rollout with sleep/wake and in-memory weight
-sync, FSDP2 actor, reference) for a few steps and prints the per-phase timings from its metrics.
+Builds a random-weight model of a given shape (random_models.py: the shapes bench_rollout.py times
+too) with SmolLM2's tokenizer, the bundled geography task as parquet, and a BM25 retrieval server
+over the bundled corpus; then runs `python -m verl.trainer.main_ppo` (search agent, vLLM rollout
+with sleep/wake and in-memory weight sync, FSDP2 actor, reference) for a few steps and prints the
+per-phase timings from its metrics.
 
     python benchmarks/bench_grpo_step.py --shape 0.5b --steps 2 --prompts 64 --n 5   # one GPU
     python benchmarks/bench_grpo_step.py --quick                                     # CPU (CI)
@@ -27,8 +28,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # the package first, then the test helpers
 
-# hidden, layers, heads, kv heads, intermediate (Qwen2.5 shapes; head size 64 or 128)
-SHAPES = {"tiny": (64, 2, 2, 1, 128), "0.5b": (896, 24, 14, 2, 4864), "3b": (2048, 36, 16, 2, 11008)}
+from random_models import SHAPES, TAGS, make_random_model, tag_bias, tagged_tokenizer  # noqa: E402
+from result_rows import emit_row  # noqa: E402
 
 
 def dense_server(rows: int, devices: list[str], tokenizer: str, workdir: Path):
@@ -78,21 +79,14 @@ def main(argv=None):
     from conftest import ServerProcess
     from search_r1.data import preprocess
     from search_r1.data.bundled import bundled_paths
-    from search_r1.models import make_tiny_model
     from search_r1.retrieval.build import build_bm25_index
 
-    hidden, layers, heads, kv, inter = SHAPES[a.shape]
     tokenizer, bias = a.tokenizer, {}
     if a.search_every:
-        from bench_rollout import tag_bias, tagged_tokenizer
         tokenizer = work / "tokenizer_with_tags"
         tok = tagged_tokenizer(a.tokenizer, tokenizer)
-        bias = {tok.convert_tokens_to_ids(tag): round(tag_bias(len(tok), a.search_every), 3)
-                for tag in ("<search>", "</search>")}
-    model = make_tiny_model(work / f"model_{a.shape}{'_tags' if bias else ''}", tokenizer_from=tokenizer,
-                            hidden=hidden, layers=layers, heads=heads, kv_heads=kv, intermediate=inter,
-                            max_position_embeddings=8192, init_std=0.3 if a.shape == "tiny" else 0.02,
-                            dtype="bfloat16" if a.shape != "tiny" else "float32")
+        bias = {tok.convert_tokens_to_ids(tag): round(tag_bias(len(tok), a.search_every), 3) for tag in TAGS}
+    model = make_random_model(work / f"model_{a.shape}{'_tags' if bias else ''}", a.shape, tokenizer)
     for split in ("train", "test"):
         if not (work / f"{split}.parquet").exists():
             preprocess.main(["--bundled", "--split", split, "--out", str(work / f"{split}.parquet")])
@@ -158,10 +152,7 @@ def main(argv=None):
                                                  "throughput/generated_tokens_per_s",
                                                  "throughput/train_tokens_per_s", "throughput/mfu_actor_update")
                   if k in row}}
-        print(json.dumps(out), flush=True)
-        if a.out:
-            with open(a.out, "a") as f:
-                f.write(json.dumps(out) + "\n")
+        emit_row(out, a.out)
     print(f"wall {time.perf_counter() - t:.0f} s")
 
 

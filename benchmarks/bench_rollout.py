@@ -35,9 +35,9 @@ weights into it; `--engine-core separate` gives it a process of its own, so the 
 trajectories and of the memory share, all at once — the agent and each baseline alike: where one
 core's per-request CPU work leaves the GPU idle part of every step, K cores may fill it.
 
-Model: random weights of a Qwen2.5 shape (Llama layout, tied embeddings, as `bench_grpo_step.py`
-builds it), vocabulary = the tokenizer's: SmolLM2's 49,152 (+2 tags) by default; pass --tokenizer
-with a Qwen2.5 tokenizer for its 151k-token LM head.
+Model: random weights of a Qwen2.5 shape (Llama layout, tied embeddings: `random_models.py`, as
+`bench_grpo_step.py` builds it), vocabulary = the tokenizer's: SmolLM2's 49,152 (+2 tags) by default;
+pass --tokenizer with a Qwen2.5 tokenizer for its 151k-token LM head.
 
 How the random policy is steered (on its own it never writes a tag):
 - `<search>` and `</search>` are added to the tokenizer as single ordinary (not special) tokens: each
@@ -63,28 +63,29 @@ How the random policy is steered (on its own it never writes a tag):
   and finish reasons. `</answer>` is several tokens and never appears, so trajectories end by
   max_turns (a `</search>` in the last turn), length (a turn hit its cap) or, rarely, EOS.
 
-CPU figures (--quick) are a smoke test: on a busy 2-core machine, torch ops ran ~10x slower in the
-main thread (the sync schedule, the plain runs) than in a worker thread (the async schedule's engine
+CPU figures (--quick) are a smoke test: on a busy machine torch ops ran much slower in the main
+thread (the sync schedule, the plain runs) than in a worker thread (the async schedule's engine
 calls), so CPU ratios say nothing about the schedules.
 
-HF decodes a 3B model at ~60 ms a step whatever the batch, and a sync turn lasts as long as its
-longest trajectory, so HF at the full settings takes many minutes: compare it at smaller ones.
+HF decodes step by step at a cost that hardly depends on the batch, and a sync turn lasts as long as
+its longest trajectory, so HF at the full settings takes many minutes: compare it at smaller ones.
 
     python benchmarks/bench_rollout.py --shape 3b --engine vllm --trajectories 256,512,1024   # one GPU
     python benchmarks/bench_rollout.py --shape 3b --engine both --trajectories 64 --hf-trajectories 64 \
         --max-turns 2 --response-tokens 300 --schedules sync                                 # HF vs vLLM
     python benchmarks/bench_rollout.py --quick                                                # CPU (CI)
+
+The script reads top to bottom: arguments, setup (model, prompts, tag bias, retrieval server), the
+runs (`measure`: each agent rollout, then its baselines), the report. What it records and how it
+sums it up is in `rollout_stats.py`; the baselines are in `rollout_baselines.py`.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import cProfile
 import json
 import logging
 import math
-import pstats
 import sys
 import threading
 import time
@@ -96,698 +97,19 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # the package first, then the test helpers
 
 import torch  # noqa: E402
-from transformers import StoppingCriteria  # noqa: E402
 
-from bench_grpo_step import SHAPES  # noqa: E402  (the same random-model shapes)
+from random_models import SHAPES, TAGS, make_random_model, tag_bias, tagged_tokenizer  # noqa: E402
+from result_rows import emit_row  # noqa: E402
+from rollout_baselines import cold_prefix_cache, plain_hf, plain_vllm, replay_vllm  # noqa: E402
+from rollout_stats import (StepTimer, TimedSearcher, agent_stats, baseline_row, gpu_profiled,  # noqa: E402
+                           median_run, merged_agent_stats, profiled, turns_of)
 
 log = logging.getLogger("bench_rollout")
 
-TAGS = ("<search>", "</search>")
 SAMPLES_PER_QUESTION = 5  # trajectories share a prompt in groups, as GRPO's n does
 
 
-def tagged_tokenizer(source: str | None, out: Path):
-    """The tokenizer with `<search>` and `</search>` as single ordinary tokens, saved to `out`."""
-    from transformers import AutoTokenizer
-    from search_r1.models import load_smollm2_tokenizer
-
-    tok = load_smollm2_tokenizer() if source is None else AutoTokenizer.from_pretrained(source)
-    tok.add_tokens(list(TAGS))  # not special: the loop decodes with skip_special_tokens=True
-    for tag in TAGS:
-        if len(tok.encode(tag, add_special_tokens=False)) != 1:
-            raise SystemExit(f"{tag!r} is not one token in {source or 'SmolLM2'}'s tokenizer after adding it")
-    tok.save_pretrained(out)
-    return tok
-
-
-def build_model(a, work: Path) -> tuple[str, object]:
-    from search_r1.models import make_tiny_model
-
-    name = "smollm2" if a.tokenizer is None else Path(a.tokenizer).name
-    tok = tagged_tokenizer(a.tokenizer, work / f"tokenizer_{name}")
-    out = work / f"model_{a.shape}_{name}"
-    if (out / "config.json").is_file():  # same arguments give the same weights: reuse
-        return str(out), tok
-    hidden, layers, heads, kv, inter = SHAPES[a.shape]
-    tiny = a.shape == "tiny"
-    path = make_tiny_model(out, tokenizer_from=work / f"tokenizer_{name}", hidden=hidden, layers=layers,
-                           heads=heads, kv_heads=kv, intermediate=inter, max_position_embeddings=8192,
-                           init_std=0.3 if tiny else 0.02, dtype="float32" if tiny else "bfloat16")
-    return path, tok
-
-
-def tag_bias(vocab: int, mean_turn: float) -> float:
-    """Logit bias giving each tag probability 1/mean_turn per token if the logits were uniform."""
-    p = 1 / mean_turn
-    return math.log(p * vocab / (1 - 2 * p))
-
-
-def calibrate_tag_bias(engine, prompts, tag_ids: list[int], mean_turn: float) -> dict[int, float]:
-    """Each tag's bias such that the engine writes it once every `mean_turn` tokens.
-
-    A random model's logit for a given token has an offset of its own (the formula above is off by
-    up to ~2x for a 0.5b/3b shape), so measure: generate freely (no stop strings) under the uniform-logit
-    guess, count each tag, and correct its bias by log(target / measured frequency). While p ≪ 1 it
-    is proportional to e^bias, so one step suffices up to sampling noise (~10% with ≥ 100 hits)."""
-    from verl.workers.rollout.engines import SamplingConfig
-
-    guess = {t: tag_bias(len(engine.tokenizer), mean_turn) for t in tag_ids}
-    generations = engine.generate(prompts, SamplingConfig(max_tokens=round(2 * mean_turn), logit_bias=guess), stop=[])
-    counts = Counter(t for g in generations for t in g.token_ids)
-    total = sum(len(g.token_ids) for g in generations)
-    return {t: b + math.log(total / mean_turn / max(counts[t], 1)) for t, b in guess.items()}
-
-
-def make_prompts(tok, n: int) -> list[list[int]]:
-    from search_r1.data.bundled import bundled_paths, read_jsonl
-    from search_r1.data.templates import make_prompt, make_prompt_text
-
-    questions = [r["question"] for split in ("test", "train") for r in read_jsonl(bundled_paths()[split])]
-    prompts = []
-    for i in range(n):
-        question = questions[(i // SAMPLES_PER_QUESTION) % len(questions)]
-        text = (tok.apply_chat_template(make_prompt(question), add_generation_prompt=True, tokenize=False)
-                if tok.chat_template else make_prompt_text(question, "base"))
-        prompts.append(tok(text, add_special_tokens=False).input_ids)
-    return prompts
-
-
-def percentile(sorted_values: list[float], q: int) -> float:
-    """The q-th percentile (nearest rank below) of an ascending list."""
-    return sorted_values[q * (len(sorted_values) - 1) // 100]
-
-
-class TimedSearcher:
-    """The real HTTP searcher; records the wall-clock interval of every call and empty answers."""
-
-    def __init__(self, inner):
-        self.inner = inner
-        self.intervals: list[tuple[float, float]] = []
-        self.empty = 0  # queries answered with no passage
-
-    def search(self, queries, topk):
-        t0 = time.perf_counter()
-        try:
-            hits = self.inner.search(queries, topk)
-        finally:
-            self.intervals.append((t0, time.perf_counter()))
-        self.empty += sum(not h for h in hits)
-        return hits
-
-    async def asearch(self, queries, topk):
-        t0 = time.perf_counter()
-        try:
-            hits = await self.inner.asearch(queries, topk)
-        finally:
-            self.intervals.append((t0, time.perf_counter()))
-        self.empty += sum(not h for h in hits)
-        return hits
-
-    def call_ms(self) -> dict:
-        """Median and 90th percentile of one call's duration (a batched request: all queries of a step)."""
-        calls = sorted(stop - start for start, stop in self.intervals)
-        if not calls:
-            return {}
-        return {f"retrieval_call_ms_p{q}": round(1000 * percentile(calls, q), 1) for q in (50, 90)}
-
-    def busy_s(self) -> float:
-        """Time during which at least one search was in flight (overlapping calls count once)."""
-        total, end = 0.0, -math.inf
-        for start, stop in sorted(self.intervals):
-            if stop > end:
-                total += stop - max(start, end)
-                end = stop
-        return total
-
-
-class StepTimer:
-    """Times vLLM's engine steps during a rollout and counts the prompt tokens its prefix cache
-    served: the wall time outside the steps is the agent loop's own (Python) time, during which the
-    in-process engine is idle. Steps that begin with requests waiting to be scheduled ("admission
-    steps": they prefill the new requests next to the running decodes) are also timed apart.
-    `prefix_cached_frac` is over ALL prompt tokens of all requests, first prompts and new
-    observations included, which the cache cannot hold: it is not the hit rate on re-sent history.
-
-    It also keeps the engine core's own timeline: every core step's time stamp (taken in the core,
-    on the system's monotonic clock, so also when the core runs in a process of its own and steps
-    ahead of this one) and how many requests it advanced. From it, `core_span_s` (first to last
-    core step), `tail_s` (time in core steps that advanced fewer than a quarter of the run's largest
-    batch: the end of the rollout, where the engine runs far below its width) and `core_gaps_s` (the
-    intervals between core steps longer than 10 median steps, less one median step each: the core
-    idle, waiting for requests; an admission step takes 4-6 median steps). `client_lag_ms_*`: how long
-    a core step's outputs waited before this process took them (with the core in its own process,
-    the loop sees finished turns that much later).
-
-    With vLLM's statistics on (`--core-stats`: log stats, CUDA-graph metrics, iteration details),
-    every core step is kept, also one that advanced no request (a prefill chunk), with the tokens it
-    scheduled (and how many of them were prefill), the requests left waiting, the CUDA-graph mode it
-    ran in and how long the core waited for its output; `core_modes` then sums steps and seconds per
-    mode, `prefill_steps`/`prefill_step_s` those that carried a prefill, and
-    `core_wait_frac` the share of the span the core waited on the GPU (the rest it spent in its own
-    Python: scheduling, bookkeeping, outputs)."""
-
-    def __init__(self, engine):
-        self.llm_engine = getattr(getattr(engine, "llm", None), "llm_engine", None)
-        core = getattr(getattr(self.llm_engine, "engine_core", None), "engine_core", None)
-        self.scheduler = getattr(core, "scheduler", None)  # in-process engine core only
-        self.steps, self.step_s, self.prompt_tokens, self.cached_tokens = 0, 0.0, 0, 0
-        self.admission_steps, self.admission_step_s = 0, 0.0
-        self.core_client = getattr(self.llm_engine, "engine_core", None)
-        self.core_steps: list[tuple[float, int]] = []  # (core's monotonic time stamp, requests advanced)
-        self.lags: list[float] = []  # seconds from a core step's outputs to this process taking them
-        self.with_stats = bool(getattr(self.llm_engine, "log_stats", False))
-        # per core step: tokens, prefill tokens, requests waiting, CUDA-graph mode, ms waited on the GPU
-        self.core_stats: list[tuple[int, int, int, str, float]] = []
-
-    def __enter__(self):
-        self.entered = time.monotonic()
-        if self.llm_engine is not None:
-            inner = self.llm_engine.step
-
-            def step():
-                admitting = self.scheduler is not None and bool(getattr(self.scheduler, "waiting", ()))
-                t0 = time.perf_counter()
-                outputs = inner()
-                dt = time.perf_counter() - t0
-                self.step_s += dt
-                self.steps += 1
-                if admitting:
-                    self.admission_steps += 1
-                    self.admission_step_s += dt
-                for o in outputs:
-                    if o.finished:
-                        self.prompt_tokens += len(o.prompt_token_ids or ())
-                        self.cached_tokens += o.num_cached_tokens or 0
-                return outputs
-
-            self.llm_engine.step = step
-            inner_get = self.core_client.get_output
-
-            def get_output():
-                outputs = inner_get()
-                stats = getattr(outputs, "scheduler_stats", None)  # each core step's, with --core-stats
-                now = time.monotonic()
-                stamp = getattr(outputs, "timestamp", 0.0) or now
-                # A step that advanced nothing can arrive after its run ended: not this run's.
-                if outputs.outputs or (stats is not None and stamp >= self.entered):
-                    self.core_steps.append((stamp, len(outputs.outputs)))
-                    self.lags.append(now - stamp)
-                    if self.with_stats:
-                        # CUDA-graph statistics come from vLLM's first model runner only; the
-                        # iteration details (vLLM >= 0.26) from every runner.
-                        graph = getattr(stats, "cudagraph_stats", None)
-                        details = getattr(stats, "iteration_details", None)
-                        tokens = (graph.num_unpadded_tokens if graph else
-                                  details.num_ctx_tokens + details.num_generation_tokens if details else -1)
-                        self.core_stats.append((tokens, details.num_ctx_tokens if details else -1,
-                                                stats.num_waiting_reqs if stats else -1,
-                                                str(graph.runtime_mode) if graph else "unknown",
-                                                round(details.elapsed_ms, 3) if details else -1.0))
-                return outputs
-
-            self.core_client.get_output = get_output
-        return self
-
-    def __exit__(self, *exc):
-        if self.llm_engine is not None:
-            del self.llm_engine.step  # the instance attributes: the classes' methods show again
-            del self.core_client.get_output
-
-    def stats(self, wall_s: float) -> dict:
-        if self.llm_engine is None:
-            return {}
-        stats = {"engine_steps": self.steps, "engine_step_s": round(self.step_s, 3),
-                 "outside_steps_s": round(wall_s - self.step_s, 3),
-                 "prefix_cached_frac": round(self.cached_tokens / max(1, self.prompt_tokens), 3)}
-        if self.scheduler is not None:
-            stats |= {"admission_steps": self.admission_steps, "admission_step_s": round(self.admission_step_s, 3)}
-        lags = sorted(self.lags)
-        if lags:  # a core in its own process steps ahead; a lagging loop sees finished turns late
-            stats |= {"client_lag_ms_mean": round(1000 * sum(lags) / len(lags), 2),
-                      "client_lag_ms_p90": round(1000 * percentile(lags, 90), 2)}
-        return stats | core_timeline_stats(self.core_steps) | core_mode_stats(self.core_steps, self.core_stats)
-
-    def timeline(self) -> dict:
-        """The core steps as seconds from the first and requests advanced (for --timeline), and with
-        --core-stats the tokens each scheduled, the requests waiting, its CUDA-graph mode and the
-        milliseconds the core waited for its output."""
-        t0 = self.core_steps[0][0] if self.core_steps else 0.0
-        timeline = {"t": [round(t - t0, 5) for t, _ in self.core_steps], "batch": [n for _, n in self.core_steps]}
-        if self.core_stats:
-            timeline |= dict(zip(("tokens", "prefill_tokens", "waiting", "graph", "wait_ms"),
-                                 map(list, zip(*self.core_stats))))
-        return timeline
-
-
-def core_timeline_stats(core_steps: list[tuple[float, int]]) -> dict:
-    """Summary of a core timeline [(time stamp, requests advanced)]; see StepTimer."""
-    if len(core_steps) < 2:
-        return {}
-    times = [t for t, _ in core_steps]
-    gaps = [b - a for a, b in zip(times, times[1:])]  # gaps[i] ends at core step i + 1
-    median = sorted(gaps)[len(gaps) // 2]
-    widest = max(n for _, n in core_steps)
-    tail = [gap for gap, (_, n) in zip(gaps, core_steps[1:]) if 4 * n < widest]
-    return {"core_steps": len(core_steps), "core_span_s": round(times[-1] - times[0], 3),
-            "core_mean_batch": round(sum(n for _, n in core_steps) / len(core_steps), 1),
-            "tail_steps": len(tail), "tail_s": round(sum(tail), 3),
-            "core_gaps_s": round(sum(gap - median for gap in gaps if gap > 10 * median), 3)}
-
-
-def core_mode_stats(core_steps: list[tuple[float, int]], core_stats: list[tuple[int, int, int, str, float]]) -> dict:
-    """Steps and seconds per CUDA-graph mode, and of the steps that carried a prefill; a step's
-    seconds are the interval that ends at its time stamp. `core_wait_frac`: the share of the core's
-    span it spent blocked on the model's output (vLLM's iteration details: with asynchronous
-    scheduling the core waits only when it has nothing left to prepare) — near 1 the GPU sets the
-    pace, near 0 the core's own Python does. Empty without --core-stats."""
-    if len(core_stats) != len(core_steps) or len(core_steps) < 2:
-        return {}
-    modes: dict[str, list] = {}
-    prefill_steps, prefill_s = 0, 0.0
-    waits = [wait for *_, wait in core_stats[1:] if wait >= 0]
-    for (t_prev, _), (t, advanced), (tokens, prefill, _, mode, _) in zip(core_steps, core_steps[1:], core_stats[1:]):
-        entry = modes.setdefault(mode, [0, 0.0])
-        entry[0] += 1
-        entry[1] += t - t_prev
-        # vLLM's count of prefill tokens where it gives one: "more tokens than requests advanced" also
-        # holds for a step that decoded a request the loop had just aborted (a stop string matched).
-        carried_prefill = prefill > 0 if prefill >= 0 else tokens > advanced
-        if carried_prefill:
-            prefill_steps += 1
-            prefill_s += t - t_prev
-    span = core_steps[-1][0] - core_steps[0][0]
-    return {"core_modes": {mode: {"steps": n, "s": round(sec, 3)} for mode, (n, sec) in sorted(modes.items())},
-            "prefill_steps": prefill_steps, "prefill_step_s": round(prefill_s, 3),
-            **({"core_wait_frac": round(sum(waits) / 1000 / span, 3)} if waits and span > 0 else {})}
-
-
-@contextlib.contextmanager
-def profiled(path: str | None, title: str):
-    """Appends the block's cProfile (the busiest functions by own and by cumulative time; from
-    Python 3.12 on, other threads' calls count too) to `path`; does nothing without a path."""
-    if not path:
-        yield
-        return
-    t0 = time.perf_counter()
-    with cProfile.Profile() as prof:
-        yield
-    with open(path, "a") as f:
-        f.write(f"\n=== {title}, {time.perf_counter() - t0:.1f} s (profiled) ===\n")
-        stats = pstats.Stats(prof, stream=f)
-        stats.sort_stats("tottime").print_stats(30)
-        stats.sort_stats("cumulative").print_stats(40)
-
-
-@contextlib.contextmanager
-def gpu_profiled(engine, trace_dir: str | None, label: str):
-    """With `trace_dir` (`--torch-profile`), vLLM's torch profiler records a window of the block's
-    engine steps (its profiler config says which), and the trace is renamed `{label}.pt.trace.json.gz`
-    for `trace_steps.py`. The core stops to write the trace when the window ends: walls measured so
-    are for diagnosis only."""
-    if not trace_dir or not hasattr(engine, "llm"):
-        yield
-        return
-    before = set(Path(trace_dir).glob("*.pt.trace.json*"))
-    engine.llm.start_profile()
-    try:
-        yield
-    finally:
-        engine.llm.stop_profile()
-        new = sorted(set(Path(trace_dir).glob("*.pt.trace.json*")) - before, key=lambda f: f.stat().st_mtime)
-        for k, trace in enumerate(new):  # one per window; none if the block ended before the window began
-            trace.rename(Path(trace_dir) / f"{label}{f'-{k}' if k else ''}.pt.trace.json.gz")
-
-
-def turns_of(t) -> list[tuple[int, list[int]]]:
-    """A trajectory as its turns: (model tokens written, observation ids appended after them)."""
-    turns: list[list] = []
-    for token, model in zip(t.response_ids, t.loss_mask):
-        if not turns or (model and turns[-1][1]):  # a model token after an observation opens a turn
-            turns.append([0, []])
-        if model:
-            turns[-1][0] += 1
-        else:
-            turns[-1][1].append(token)
-    return [(n, obs) for n, obs in turns]
-
-
-def run_agent(engine, searcher: TimedSearcher, prompts, cfg, sampling, profile: str | None = None,
-              timeline: list | None = None) -> tuple[dict, list[list[tuple[int, list[int]]]]]:
-    """One rollout; returns its statistics and every trajectory's turns (`turns_of`). With
-    `profile`, appends the rollout's cProfile to that file; with `timeline`, appends its core steps."""
-    from search_r1.agent.loop import SearchAgent
-
-    searcher.intervals.clear()
-    searcher.empty = 0
-    t0 = time.perf_counter()
-    with StepTimer(engine) as timer, profiled(profile, f"agent, {len(prompts)} trajectories, {cfg.schedule} schedule"):
-        trajectories = SearchAgent(engine, searcher, cfg).run(prompts, sampling)
-    wall_s = time.perf_counter() - t0
-    if timeline is not None:
-        timeline.append(timer.timeline())
-    model_tokens_B = [sum(t.loss_mask) for t in trajectories]
-    n, turns = len(trajectories), sum(t.turns for t in trajectories)
-    return {
-        "wall_s": round(wall_s, 3),
-        "model_tokens": sum(model_tokens_B),
-        "tokens_per_s": round(sum(model_tokens_B) / wall_s, 1),
-        "prompt_tokens": sum(map(len, prompts)),
-        "observation_tokens": sum(len(t.loss_mask) for t in trajectories) - sum(model_tokens_B),
-        "turns_per_trajectory": round(turns / n, 3),
-        "model_tokens_per_turn": round(sum(model_tokens_B) / turns, 1),
-        "searches_valid": sum(t.searches for t in trajectories),
-        "invalid_actions": sum(t.invalid_actions for t in trajectories),
-        "finish": dict(Counter(str(t.finish) for t in trajectories)),
-        "retrieval_busy_s": round(searcher.busy_s(), 3),
-        "retrieval_calls": len(searcher.intervals),
-        **searcher.call_ms(),
-        "searches_without_passages": searcher.empty,
-        "retrieval_failed": sum(t.retrieval_failed for t in trajectories),
-        **timer.stats(wall_s),
-    }, [turns_of(t) for t in trajectories]
-
-
-def exact_length_params(sampling, n_tokens: int):
-    """vLLM sampling settings of the agent's, writing exactly `n_tokens` (EOS ignored, no stop strings)."""
-    from vllm import SamplingParams
-
-    return SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p, max_tokens=n_tokens,
-                          ignore_eos=True, logit_bias=sampling.logit_bias)
-
-
-def plain_vllm(engine, prompts, n_tokens_B: list[int], sampling, timeline: list | None = None) -> tuple[float, dict]:
-    """One `LLM.generate` call: exactly n_tokens_B[i] new tokens for prompt i. Returns seconds and
-    the engine-step statistics; with `timeline`, appends its core steps."""
-    from vllm.inputs import TokensPrompt
-
-    params = [exact_length_params(sampling, n) for n in n_tokens_B]
-    t0 = time.perf_counter()
-    with StepTimer(engine) as timer:
-        outputs = engine.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params,
-                                      use_tqdm=False)
-    wall_s = time.perf_counter() - t0
-    if timeline is not None:
-        timeline.append(timer.timeline())
-    got = [len(o.outputs[0].token_ids) for o in outputs]
-    if got != n_tokens_B:
-        raise RuntimeError(f"plain vLLM run generated {sum(got)} tokens instead of {sum(n_tokens_B)}")
-    return wall_s, {k: v for k, v in timer.stats(wall_s).items() if k != "prefix_cached_frac"}
-
-
-def replay_vllm(engine, prompts, turns_B: list[list[tuple[int, list[int]]]], sampling, admit_every: int,
-                timeline: list | None = None) -> tuple[float, dict]:
-    """The agent's rollout without its tools: every trajectory's turns in order, turn k writing
-    exactly as many tokens as the agent's turn k did (EOS ignored, no stop strings), its observation
-    ids appended the moment it ends (no search to wait for, no parsing), and the turns ready to go
-    on joining the running batch every `admit_every` steps, as the continuous schedule admits them.
-    The engine gets the same requests, prefills and context lengths as in the agent's rollout; what
-    the agent takes beyond this is the time its tool calls and its own loop cost the engine."""
-    from vllm.inputs import TokensPrompt
-    from vllm.sampling_params import RequestOutputKind
-
-    llm_engine = engine.llm.llm_engine
-    contexts_B = [list(p) for p in prompts]
-    next_turn_B = [0] * len(prompts)
-    ready = [i for i, turns in enumerate(turns_B) if turns]
-    live: dict[str, int] = {}  # request id -> trajectory
-    steps_since_admit, written = 0, 0
-    t0 = time.perf_counter()
-    with StepTimer(engine) as timer:
-        while live or ready:
-            if ready and (steps_since_admit >= admit_every or not live):
-                for i in ready:
-                    request_id = f"replay-{i}-{next_turn_B[i]}"
-                    params = exact_length_params(sampling, turns_B[i][next_turn_B[i]][0])
-                    params.output_kind = RequestOutputKind.FINAL_ONLY
-                    llm_engine.add_request(request_id, TokensPrompt(prompt_token_ids=list(contexts_B[i])), params)
-                    live[request_id] = i
-                ready.clear()
-                steps_since_admit = 0
-            steps_since_admit += 1
-            for output in llm_engine.step():
-                if not output.finished:
-                    continue
-                i = live.pop(output.request_id)
-                new_ids = list(output.outputs[0].token_ids)
-                written += len(new_ids)
-                contexts_B[i] += new_ids + turns_B[i][next_turn_B[i]][1]
-                next_turn_B[i] += 1
-                if next_turn_B[i] < len(turns_B[i]):
-                    ready.append(i)
-    wall_s = time.perf_counter() - t0
-    if timeline is not None:
-        timeline.append(timer.timeline())
-    expected = sum(n for turns in turns_B for n, _ in turns)
-    if written != expected:
-        raise RuntimeError(f"the replay generated {written} tokens instead of {expected}")
-    return wall_s, timer.stats(wall_s)
-
-
-class _StopAtLengths(StoppingCriteria):
-    """Row i of a left-padded batch is done after lengths_B[i] new tokens."""
-
-    def __init__(self, lengths_B: torch.Tensor, prompt_len: int):
-        self.lengths_B, self.prompt_len = lengths_B, prompt_len
-
-    def __call__(self, input_ids_BT: torch.LongTensor, scores, **kwargs) -> torch.BoolTensor:
-        return self.lengths_B.to(input_ids_BT.device) <= input_ids_BT.shape[1] - self.prompt_len
-
-
-@torch.no_grad()
-def plain_hf(engine, prompts, n_tokens_B: list[int], sampling, timeline: list | None = None) -> tuple[float, dict]:
-    """`generate` in the engine's batches, as HFEngine runs them: row i stops after n_tokens_B[i] new
-    tokens, EOS ignored; a batch runs until its longest row is done. Returns seconds (and no stats;
-    no timeline)."""
-    from transformers import GenerationConfig, StoppingCriteriaList
-
-    bias = [[[token], b] for token, b in sampling.logit_bias.items()] if sampling.logit_bias else None
-    t0 = time.perf_counter()
-    for lo in range(0, len(prompts), engine.batch_size):
-        batch, lengths = prompts[lo:lo + engine.batch_size], n_tokens_B[lo:lo + engine.batch_size]
-        prompt_len = max(map(len, batch))
-        input_ids_BT = torch.full((len(batch), prompt_len), engine.pad_id, dtype=torch.long)
-        attention_mask_BT = torch.zeros_like(input_ids_BT)
-        for row, prompt in enumerate(batch):
-            input_ids_BT[row, prompt_len - len(prompt):] = torch.tensor(prompt)
-            attention_mask_BT[row, prompt_len - len(prompt):] = 1
-        config = GenerationConfig(max_new_tokens=max(lengths), do_sample=True, temperature=sampling.temperature,
-                                  top_p=sampling.top_p, top_k=0, pad_token_id=engine.pad_id,
-                                  eos_token_id=[],  # None would fall back to the model's EOS
-                                  sequence_bias=bias)
-        engine.model.generate(input_ids=input_ids_BT.to(engine.device),
-                              attention_mask=attention_mask_BT.to(engine.device), generation_config=config,
-                              stopping_criteria=StoppingCriteriaList([_StopAtLengths(torch.tensor(lengths),
-                                                                                     prompt_len)]))
-    if engine.device.startswith("cuda"):
-        torch.cuda.synchronize()
-    return time.perf_counter() - t0, {}
-
-
-def cold_prefix_cache(engine) -> None:
-    """Every run starts with an empty prefix cache: a repeat would otherwise find the prompts and
-    observations of the one before it cached and skip their prefill."""
-    if hasattr(engine, "llm"):  # vLLM; the HF engine keeps no cache between calls
-        engine.llm.reset_prefix_cache()
-
-
-def median_run(runs: list[tuple[float, dict]]) -> tuple[float, dict, list[float]]:
-    """The run of median wall time (its seconds and statistics) and every run's seconds, in the
-    order they ran: the baselines vary more from run to run than the agent loop does. Of an even
-    number of runs, the faster middle one: the ratios then do not favour the agent loop."""
-    wall_s, stats = sorted(runs, key=lambda run: run[0])[(len(runs) - 1) // 2]
-    return wall_s, stats, [round(run[0], 3) for run in runs]
-
-
-def measure(engine_name: str, engine, plain, searcher, prompts_all, concurrencies, schedules, cfg, sampling,
-            common: dict, emit, profile: str | None = None, admit_every: tuple[int, ...] = (8,),
-            baseline_repeats: int = 1, timeline_path: str | None = None, torch_profile: str | None = None) -> None:
-    from search_r1.agent.loop import Schedule
-
-    for n in concurrencies:
-        prompts = prompts_all[:n]
-        runs = [(s, k) for s in schedules for k in (admit_every if s == "continuous" else (None,))]
-        for schedule, admit in runs:
-            if schedule == "continuous" and not hasattr(engine, "submit"):
-                continue  # the HF engine has no continuous batching
-            log.info("%s: %d trajectories, %s schedule%s", engine_name, n, schedule,
-                     f", admitting every {admit} steps" if admit else "")
-            cfg_s = replace(cfg, schedule=Schedule(schedule), admit_every_steps=admit or cfg.admit_every_steps)
-            extra = {"admit_every_steps": admit} if admit else {}
-            run = {**common, "engine": engine_name, "trajectories": n, "schedule": schedule, **extra}
-            timelines = {mode: [] for mode in ("agent", "plain", "plain_with_obs", "replay")}
-            cold_prefix_cache(engine)
-            with gpu_profiled(engine, torch_profile, f"agent-{n}-{schedule}{admit or ''}"):
-                agent, turns_B = run_agent(engine, searcher, prompts, cfg_s, sampling, profile, timelines["agent"])
-            n_tokens_B = [sum(k for k, _ in turns) for turns in turns_B]
-            obs_ids_B = [[i for _, obs in turns for i in obs] for turns in turns_B]
-            # Each baseline `baseline_repeats` times, the repeats interleaved (plain, plain + obs, replay,
-            # plain, …): identical runs differ by up to 1.3×, and interleaved, the baselines share the
-            # machine's good and bad minutes instead of each getting minutes of its own.
-            # "plain + obs": each trajectory's observations appended to its prompt, so the plain run
-            # also prefills them and decodes over contexts as long as the agent's last turn.
-            # "replay": the same turns, without the tools (needs the engine's step loop).
-            baselines = {"plain": lambda tl: plain(engine, prompts, n_tokens_B, sampling, timeline=tl),
-                         "plain_with_obs": lambda tl: plain(engine, [p + o for p, o in zip(prompts, obs_ids_B)],
-                                                            n_tokens_B, sampling, timeline=tl)}
-            if plain is plain_vllm:
-                baselines["replay"] = lambda tl: replay_vllm(engine, prompts, turns_B, sampling,
-                                                             cfg_s.admit_every_steps, timeline=tl)
-            done: dict[str, list] = {mode: [] for mode in baselines}
-            for k in range(baseline_repeats):
-                for mode, baseline in baselines.items():
-                    log.info("%s: %s baseline of the same %d tokens (%d of %d)", engine_name, mode,
-                             sum(n_tokens_B), k + 1, baseline_repeats)
-                    title = f"{mode}, {n} trajectories, after the {schedule} schedule"
-                    cold_prefix_cache(engine)
-                    with (profiled(profile if mode == "plain_with_obs" else None, title),
-                          gpu_profiled(engine, torch_profile, f"{mode}-{n}-{schedule}{admit or ''}-{k}")):
-                        done[mode].append(baseline(timelines[mode]))
-            plain_s, plain_stats, plain_all = median_run(done["plain"])
-            obs_s, obs_stats, obs_all = median_run(done["plain_with_obs"])
-            replay = median_run(done["replay"]) if "replay" in done else None
-            plain_row = {**run, "mode": "plain", "wall_s": round(plain_s, 3), "wall_s_all": plain_all,
-                         "model_tokens": sum(n_tokens_B),
-                         "tokens_per_s": round(sum(n_tokens_B) / plain_s, 1), "prompt_tokens": agent["prompt_tokens"],
-                         **plain_stats}
-            emit({**run, "mode": "agent", **agent,
-                  "ratio_to_plain": round(agent["tokens_per_s"] / plain_row["tokens_per_s"], 3),
-                  "ratio_to_plain_with_obs": round(obs_s / agent["wall_s"], 3),
-                  **({"ratio_to_replay": round(replay[0] / agent["wall_s"], 3)} if replay else {})})
-            emit(plain_row)
-            emit({**run, "mode": "plain_with_obs", "wall_s": round(obs_s, 3), "wall_s_all": obs_all,
-                  "model_tokens": sum(n_tokens_B),
-                  "tokens_per_s": round(sum(n_tokens_B) / obs_s, 1),
-                  "prompt_tokens": agent["prompt_tokens"] + agent["observation_tokens"], **obs_stats})
-            if replay:
-                replay_s, replay_stats, replay_all = replay
-                emit({**run, "mode": "replay", "wall_s": round(replay_s, 3), "wall_s_all": replay_all,
-                      "model_tokens": sum(n_tokens_B), "tokens_per_s": round(sum(n_tokens_B) / replay_s, 1),
-                      "prompt_tokens": agent["prompt_tokens"], **replay_stats})
-            if timeline_path:
-                with open(timeline_path, "a") as f:
-                    for mode, runs_ in timelines.items():
-                        for k, timeline in enumerate(runs_):
-                            f.write(json.dumps({**run, "mode": mode, "repeat": k, **timeline}) + "\n")
-
-
-def in_parallel(calls: list) -> tuple[float, list]:
-    """Runs the calls at once, one thread each, released together; returns the seconds from the
-    release to the last one's end and their results, in order."""
-    results, errors = [None] * len(calls), []
-    release = threading.Barrier(len(calls) + 1)
-
-    def run(i, call):
-        release.wait()
-        try:
-            results[i] = call()
-        except BaseException as e:  # re-raised below, in the caller's thread
-            errors.append(e)
-
-    threads = [threading.Thread(target=run, args=(i, call)) for i, call in enumerate(calls)]
-    for t in threads:
-        t.start()
-    release.wait()
-    t0 = time.perf_counter()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
-    return time.perf_counter() - t0, results
-
-
-def merged_agent_stats(parts: list[dict], sizes: list[int], wall_s: float) -> dict:
-    """One row from the agent rollouts of several engines run at once (`--engines`); each engine's
-    own statistics stay in `per_engine`."""
-    tokens = sum(p["model_tokens"] for p in parts)
-    turns = sum(p["turns_per_trajectory"] * n for p, n in zip(parts, sizes))
-    finish: Counter = Counter()
-    for p in parts:
-        finish.update(p["finish"])
-    return {"wall_s": round(wall_s, 3), "model_tokens": tokens, "tokens_per_s": round(tokens / wall_s, 1),
-            **{key: sum(p[key] for p in parts) for key in (
-                "prompt_tokens", "observation_tokens", "searches_valid", "invalid_actions", "retrieval_calls",
-                "searches_without_passages", "retrieval_failed")},
-            "turns_per_trajectory": round(turns / sum(sizes), 3), "model_tokens_per_turn": round(tokens / turns, 1),
-            "retrieval_busy_s": round(sum(p["retrieval_busy_s"] for p in parts), 3), "finish": dict(finish),
-            "per_engine": parts}
-
-
-def measure_split(engines: list, searchers: list, prompts_all, concurrencies, cfg, sampling, common: dict, emit,
-                  admit_every: tuple[int, ...], baseline_repeats: int) -> None:
-    """`--engines K`: K vLLM engines (cores in processes of their own) share the GPU, each with
-    1/K of the trajectories, all running at once — the agent, then each baseline the same way. When
-    one engine core is the bottleneck (its per-request CPU work, with the GPU idle part of each
-    step), K cores can keep the GPU busier; the rows say whether they do (`engines`: K)."""
-    from search_r1.agent.loop import Schedule
-
-    k = len(engines)
-    for n in concurrencies:
-        bounds = [n * i // k for i in range(k + 1)]
-        chunks = [prompts_all[lo:hi] for lo, hi in zip(bounds, bounds[1:])]
-        sizes = [len(c) for c in chunks]
-        for admit in admit_every:
-            log.info("vllm x%d: %d trajectories, continuous schedule, admitting every %d steps", k, n, admit)
-            cfg_s = replace(cfg, schedule=Schedule.CONTINUOUS, admit_every_steps=admit)
-            run = {**common, "engine": "vllm", "engines": k, "trajectories": n, "schedule": "continuous",
-                   "admit_every_steps": admit}
-            for engine in engines:
-                cold_prefix_cache(engine)
-            wall_s, outs = in_parallel([
-                lambda e=e, s=s, c=c: run_agent(e, s, c, cfg_s, sampling) for e, s, c in zip(engines, searchers, chunks)])
-            agent = merged_agent_stats([stats for stats, _ in outs], sizes, wall_s)
-            turns_K = [turns for _, turns in outs]
-            n_tokens_K = [[sum(t for t, _ in turns) for turns in turns_B] for turns_B in turns_K]
-            obs_K = [[[i for _, obs in turns for i in obs] for turns in turns_B] for turns_B in turns_K]
-            baselines = {
-                "plain": lambda e, c, i: plain_vllm(e, c, n_tokens_K[i], sampling),
-                "plain_with_obs": lambda e, c, i: plain_vllm(e, [p + o for p, o in zip(c, obs_K[i])], n_tokens_K[i],
-                                                             sampling),
-                "replay": lambda e, c, i: replay_vllm(e, c, turns_K[i], sampling, admit)}
-            done: dict[str, list] = {mode: [] for mode in baselines}
-            for _ in range(baseline_repeats):  # interleaved, as in `measure`
-                for mode, baseline in baselines.items():
-                    for engine in engines:
-                        cold_prefix_cache(engine)
-                    wall, outs_ = in_parallel([lambda e=e, c=c, i=i: baseline(e, c, i)
-                                               for i, (e, c) in enumerate(zip(engines, chunks))])
-                    done[mode].append((wall, {"per_engine": [stats for _, stats in outs_]}))
-            walls = {mode: median_run(runs) for mode, runs in done.items()}
-            emit({**run, "mode": "agent", **agent,
-                  "ratio_to_plain": round(walls["plain"][0] / wall_s, 3),
-                  "ratio_to_plain_with_obs": round(walls["plain_with_obs"][0] / wall_s, 3),
-                  "ratio_to_replay": round(walls["replay"][0] / wall_s, 3)})
-            for mode, (wall, stats, wall_all) in walls.items():
-                emit({**run, "mode": mode, "wall_s": round(wall, 3), "wall_s_all": wall_all,
-                      "model_tokens": agent["model_tokens"], "tokens_per_s": round(agent["model_tokens"] / wall, 1),
-                      "prompt_tokens": agent["prompt_tokens"] + (agent["observation_tokens"] if mode == "plain_with_obs"
-                                                                 else 0), **stats})
-
-
-def print_table(rows: list[dict]) -> None:
-    def key(r):
-        return r["engine"], r["trajectories"], r["schedule"], r.get("admit_every_steps")
-
-    plain = {key(r): r for r in rows if r["mode"] == "plain"}
-    head = (f"{'engine':6} {'traj':>5} {'sched':10} {'agent tok/s':>11} {'plain tok/s':>11} {'ratio':>6} "
-            f"{'r/+obs':>6} {'r/rep':>6} {'hf/vllm':>7} {'wall s':>7} {'turns':>5} {'tok/turn':>8} {'valid/inv':>10} {'retr s':>6} "
-            f"{'prompt+obs tok':>15}  finish")
-    print("\n" + head + "\n" + "-" * len(head))
-    for r in rows:
-        if r["mode"] != "agent":
-            continue
-        p = plain[key(r)]
-        sched = r["schedule"] + (f"/{r['admit_every_steps']}" if r.get("admit_every_steps") else "")
-        hf = f"{r['hf_over_vllm']:.2f}" if "hf_over_vllm" in r else "-"
-        rep = f"{r['ratio_to_replay']:.2f}" if "ratio_to_replay" in r else "-"
-        finish = " ".join(f"{k}:{v}" for k, v in sorted(r["finish"].items()))
-        print(f"{r['engine']:6} {r['trajectories']:>5} {sched:10} {r['tokens_per_s']:>11,.0f} "
-              f"{p['tokens_per_s']:>11,.0f} {r['ratio_to_plain']:>6.2f} {r['ratio_to_plain_with_obs']:>6.2f} {rep:>6} "
-              f"{hf:>7} {r['wall_s']:>7.1f} "
-              f"{r['turns_per_trajectory']:>5.2f} {r['model_tokens_per_turn']:>8.0f} "
-              f"{r['searches_valid']:>4}/{r['invalid_actions']:<5} {r['retrieval_busy_s']:>6.1f} "
-              f"{r['prompt_tokens']:>7}+{r['observation_tokens']:<7}  {finish}")
-
-
+# -- arguments -------------------------------------------------------------------------------------
 def vllm_arg(item: str) -> tuple[str, object]:
     key, sep, value = item.partition("=")
     if not (key and sep):
@@ -798,7 +120,8 @@ def vllm_arg(item: str) -> tuple[str, object]:
         return key, value
 
 
-def main(argv=None):
+def parse_args(argv=None) -> argparse.Namespace:
+    """The flags, --quick's settings and the checks that need no engine."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", choices=sorted(SHAPES), default="3b")
     p.add_argument("--tokenizer", help="a tokenizer dir (default: SmolLM2's, from the bundled GGUF)")
@@ -868,6 +191,276 @@ def main(argv=None):
         raise SystemExit("--engines > 1 runs vLLM engine cores in processes of their own: it needs --engine vllm "
                          "--engine-core separate, and takes none of --profile, --torch-profile, --timeline, "
                          "--core-stats")
+    if a.torch_profile:  # an absolute path: vLLM's profiler may write it from the core's own process
+        a.torch_profile = str(Path(a.torch_profile).resolve())
+    return a
+
+
+# -- setup -----------------------------------------------------------------------------------------
+def build_model(a, work: Path) -> tuple[str, object]:
+    name = "smollm2" if a.tokenizer is None else Path(a.tokenizer).name
+    tok = tagged_tokenizer(a.tokenizer, work / f"tokenizer_{name}")
+    out = work / f"model_{a.shape}_{name}"
+    if (out / "config.json").is_file():  # same arguments give the same weights: reuse
+        return str(out), tok
+    return make_random_model(out, a.shape, work / f"tokenizer_{name}"), tok
+
+
+def make_prompts(tok, n: int) -> list[list[int]]:
+    from search_r1.data.bundled import bundled_paths, read_jsonl
+    from search_r1.data.templates import make_prompt, make_prompt_text
+
+    questions = [r["question"] for split in ("test", "train") for r in read_jsonl(bundled_paths()[split])]
+    prompts = []
+    for i in range(n):
+        question = questions[(i // SAMPLES_PER_QUESTION) % len(questions)]
+        text = (tok.apply_chat_template(make_prompt(question), add_generation_prompt=True, tokenize=False)
+                if tok.chat_template else make_prompt_text(question, "base"))
+        prompts.append(tok(text, add_special_tokens=False).input_ids)
+    return prompts
+
+
+def calibrate_tag_bias(engine, prompts, tag_ids: list[int], mean_turn: float) -> dict[int, float]:
+    """Each tag's bias such that the engine writes it once every `mean_turn` tokens.
+
+    A random model's logit for a given token has an offset of its own (`tag_bias`, right for uniform
+    logits, is off for a 0.5b/3b shape: see the module docstring), so measure: generate freely (no
+    stop strings) under the uniform-logit guess, count each tag, and correct its bias by
+    log(target / measured frequency). While p ≪ 1 it is proportional to e^bias, so one step
+    suffices up to sampling noise (~10% with ≥ 100 hits)."""
+    from verl.workers.rollout.engines import SamplingConfig
+
+    guess = {t: tag_bias(len(engine.tokenizer), mean_turn) for t in tag_ids}
+    generations = engine.generate(prompts, SamplingConfig(max_tokens=round(2 * mean_turn), logit_bias=guess), stop=[])
+    counts = Counter(t for g in generations for t in g.token_ids)
+    total = sum(len(g.token_ids) for g in generations)
+    return {t: b + math.log(total / mean_turn / max(counts[t], 1)) for t, b in guess.items()}
+
+
+def vllm_engine_kwargs(a, gpu: bool) -> dict:
+    """The vllm.LLM arguments the flags ask for, beyond the model, seed and context length."""
+    kw = ({"gpu_memory_utilization": a.gpu_memory_utilization / a.engines} if gpu
+          else {"kv_cache_memory_bytes": 256 << 20})  # small explicit CPU cache: no profiling run
+    compilation = {k: v for k, v in (("cudagraph_mode", a.cudagraph_mode),
+                                      ("max_cudagraph_capture_size", a.max_cudagraph_capture_size)) if v}
+    if compilation:
+        kw["compilation_config"] = compilation
+    kw |= dict(a.vllm_arg)
+    if a.core_stats:
+        kw |= {"disable_log_stats": False, "cudagraph_metrics": True,
+               "enable_logging_iteration_details": True}
+        logging.getLogger("vllm.v1.metrics.loggers").setLevel(logging.WARNING)  # a line per step
+    if a.torch_profile:  # a window of steps of every run, each step named with its batch
+        kw["profiler_config"] = {
+            "profiler": "torch", "torch_profiler_dir": a.torch_profile, "torch_profiler_with_stack": False,
+            "torch_profiler_dump_cuda_time_total": False, "detailed_trace_annotation": True,
+            "ignore_frontend": True, "delay_iterations": a.torch_profile_steps[0],
+            "max_iterations": a.torch_profile_steps[1]}
+    return kw
+
+
+def start_retrieval_server(a, work: Path, gpu: bool):
+    """The retrieval server the agent searches: the bundled MiniLM encoder and an exact index over
+    the bundled corpus (built into `work` once)."""
+    from conftest import ServerProcess
+    from search_r1.data.bundled import bundled_paths
+    from search_r1.retrieval.build import build_dense
+
+    corpus = bundled_paths()["corpus"]
+    index = work / "minilm_index"
+    if not ((index / "index_meta.json").is_file() and json.loads((index / "index_meta.json").read_text())["complete"]):
+        build_dense(str(corpus), str(index), "all-MiniLM-L6-v2", progress=False)
+        if gpu:
+            torch.cuda.empty_cache()  # the encoder's memory goes back before vLLM sizes its cache
+    return ServerProcess(["--retriever_name", "minilm", "--retriever_model", "all-MiniLM-L6-v2",
+                          "--index_path", str(index), "--corpus_path", str(corpus),
+                          *(["--devices", a.retrieval_devices] if a.retrieval_devices else [])],
+                         work / "retrieval.log")
+
+
+# -- runs ------------------------------------------------------------------------------------------
+def run_agent(engine, searcher: TimedSearcher, prompts, cfg, sampling, profile: str | None = None,
+              timeline: list | None = None) -> tuple[dict, list[list[tuple[int, list[int]]]]]:
+    """One rollout; returns its statistics and every trajectory's turns (`turns_of`). With
+    `profile`, appends the rollout's cProfile to that file; with `timeline`, appends its core steps."""
+    from search_r1.agent.loop import SearchAgent
+
+    searcher.intervals.clear()
+    searcher.empty = 0
+    t0 = time.perf_counter()
+    with StepTimer(engine) as timer, profiled(profile, f"agent, {len(prompts)} trajectories, {cfg.schedule} schedule"):
+        trajectories = SearchAgent(engine, searcher, cfg).run(prompts, sampling)
+    wall_s = time.perf_counter() - t0
+    if timeline is not None:
+        timeline.append(timer.timeline())
+    return agent_stats(prompts, trajectories, searcher, timer, wall_s), [turns_of(t) for t in trajectories]
+
+
+def measure(engine_name: str, engine, plain, searcher, prompts_all, concurrencies, schedules, cfg, sampling,
+            common: dict, emit, profile: str | None = None, admit_every: tuple[int, ...] = (8,),
+            baseline_repeats: int = 1, timeline_path: str | None = None, torch_profile: str | None = None) -> None:
+    from search_r1.agent.loop import Schedule
+
+    for n in concurrencies:
+        prompts = prompts_all[:n]
+        runs = [(s, k) for s in schedules for k in (admit_every if s == "continuous" else (None,))]
+        for schedule, admit in runs:
+            if schedule == "continuous" and not engine.continuous:
+                continue  # the HF engine has no continuous batching
+            log.info("%s: %d trajectories, %s schedule%s", engine_name, n, schedule,
+                     f", admitting every {admit} steps" if admit else "")
+            cfg_s = replace(cfg, schedule=Schedule(schedule), admit_every_steps=admit or cfg.admit_every_steps)
+            extra = {"admit_every_steps": admit} if admit else {}
+            run = {**common, "engine": engine_name, "trajectories": n, "schedule": schedule, **extra}
+            timelines = {mode: [] for mode in ("agent", "plain", "plain_with_obs", "replay")}
+            cold_prefix_cache(engine)
+            with gpu_profiled(engine, torch_profile, f"agent-{n}-{schedule}{admit or ''}"):
+                agent, turns_B = run_agent(engine, searcher, prompts, cfg_s, sampling, profile, timelines["agent"])
+            n_tokens_B = [sum(k for k, _ in turns) for turns in turns_B]
+            obs_ids_B = [[i for _, obs in turns for i in obs] for turns in turns_B]
+            # Each baseline `baseline_repeats` times, the repeats interleaved (plain, plain + obs, replay,
+            # plain, …): identical runs differ noticeably, and interleaved, the baselines share the
+            # machine's good and bad minutes instead of each getting minutes of its own.
+            # "plain + obs": each trajectory's observations appended to its prompt, so the plain run
+            # also prefills them and decodes over contexts as long as the agent's last turn.
+            # "replay": the same turns, without the tools (needs the engine's step loop).
+            baselines = {"plain": lambda tl: plain(engine, prompts, n_tokens_B, sampling, timeline=tl),
+                         "plain_with_obs": lambda tl: plain(engine, [p + o for p, o in zip(prompts, obs_ids_B)],
+                                                            n_tokens_B, sampling, timeline=tl)}
+            if plain is plain_vllm:
+                baselines["replay"] = lambda tl: replay_vllm(engine, prompts, turns_B, sampling,
+                                                             cfg_s.admit_every_steps, timeline=tl)
+            done: dict[str, list] = {mode: [] for mode in baselines}
+            for k in range(baseline_repeats):
+                for mode, baseline in baselines.items():
+                    log.info("%s: %s baseline of the same %d tokens (%d of %d)", engine_name, mode,
+                             sum(n_tokens_B), k + 1, baseline_repeats)
+                    title = f"{mode}, {n} trajectories, after the {schedule} schedule"
+                    cold_prefix_cache(engine)
+                    with (profiled(profile if mode == "plain_with_obs" else None, title),
+                          gpu_profiled(engine, torch_profile, f"{mode}-{n}-{schedule}{admit or ''}-{k}")):
+                        done[mode].append(baseline(timelines[mode]))
+            # ratio_to_plain from the rows' tokens/s (the same tokens: the walls' inverse ratio), the
+            # others from the median baseline's wall over the agent's.
+            medians = {mode: median_run(runs) for mode, runs in done.items()}
+            baseline_rows = {mode: baseline_row(run, mode, median, sum(n_tokens_B), agent["prompt_tokens"]
+                                                + (agent["observation_tokens"] if mode == "plain_with_obs" else 0))
+                             for mode, median in medians.items()}
+            emit({**run, "mode": "agent", **agent,
+                  "ratio_to_plain": round(agent["tokens_per_s"] / baseline_rows["plain"]["tokens_per_s"], 3),
+                  **{f"ratio_to_{mode}": round(medians[mode][0] / agent["wall_s"], 3)
+                     for mode in ("plain_with_obs", "replay") if mode in medians}})
+            for row in baseline_rows.values():
+                emit(row)
+            if timeline_path:
+                with open(timeline_path, "a") as f:
+                    for mode, runs_ in timelines.items():
+                        for k, timeline in enumerate(runs_):
+                            f.write(json.dumps({**run, "mode": mode, "repeat": k, **timeline}) + "\n")
+
+
+def in_parallel(calls: list) -> tuple[float, list]:
+    """Runs the calls at once, one thread each, released together; returns the seconds from the
+    release to the last one's end and their results, in order."""
+    results, errors = [None] * len(calls), []
+    release = threading.Barrier(len(calls) + 1)
+
+    def run(i, call):
+        release.wait()
+        try:
+            results[i] = call()
+        except BaseException as e:  # re-raised below, in the caller's thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i, call)) for i, call in enumerate(calls)]
+    for t in threads:
+        t.start()
+    release.wait()
+    t0 = time.perf_counter()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return time.perf_counter() - t0, results
+
+
+def measure_split(engines: list, searchers: list, prompts_all, concurrencies, cfg, sampling, common: dict, emit,
+                  admit_every: tuple[int, ...], baseline_repeats: int) -> None:
+    """`--engines K`: K vLLM engines (cores in processes of their own) share the GPU, each with
+    1/K of the trajectories, all running at once — the agent, then each baseline the same way. When
+    one engine core is the bottleneck (its per-request CPU work, with the GPU idle part of each
+    step), K cores can keep the GPU busier; the rows say whether they do (`engines`: K)."""
+    from search_r1.agent.loop import Schedule
+
+    k = len(engines)
+    for n in concurrencies:
+        bounds = [n * i // k for i in range(k + 1)]
+        chunks = [prompts_all[lo:hi] for lo, hi in zip(bounds, bounds[1:])]
+        sizes = [len(c) for c in chunks]
+        for admit in admit_every:
+            log.info("vllm x%d: %d trajectories, continuous schedule, admitting every %d steps", k, n, admit)
+            cfg_s = replace(cfg, schedule=Schedule.CONTINUOUS, admit_every_steps=admit)
+            run = {**common, "engine": "vllm", "engines": k, "trajectories": n, "schedule": "continuous",
+                   "admit_every_steps": admit}
+            for engine in engines:
+                cold_prefix_cache(engine)
+            wall_s, outs = in_parallel([
+                lambda e=e, s=s, c=c: run_agent(e, s, c, cfg_s, sampling) for e, s, c in zip(engines, searchers, chunks)])
+            agent = merged_agent_stats([stats for stats, _ in outs], sizes, wall_s)
+            turns_K = [turns for _, turns in outs]
+            n_tokens_K = [[sum(t for t, _ in turns) for turns in turns_B] for turns_B in turns_K]
+            obs_K = [[[i for _, obs in turns for i in obs] for turns in turns_B] for turns_B in turns_K]
+            baselines = {
+                "plain": lambda e, c, i: plain_vllm(e, c, n_tokens_K[i], sampling),
+                "plain_with_obs": lambda e, c, i: plain_vllm(e, [p + o for p, o in zip(c, obs_K[i])], n_tokens_K[i],
+                                                             sampling),
+                "replay": lambda e, c, i: replay_vllm(e, c, turns_K[i], sampling, admit)}
+            done: dict[str, list] = {mode: [] for mode in baselines}
+            for _ in range(baseline_repeats):  # interleaved, as in `measure`
+                for mode, baseline in baselines.items():
+                    for engine in engines:
+                        cold_prefix_cache(engine)
+                    wall, outs_ = in_parallel([lambda e=e, c=c, i=i: baseline(e, c, i)
+                                               for i, (e, c) in enumerate(zip(engines, chunks))])
+                    done[mode].append((wall, {"per_engine": [stats for _, stats in outs_]}))
+            walls = {mode: median_run(runs) for mode, runs in done.items()}
+            emit({**run, "mode": "agent", **agent,
+                  "ratio_to_plain": round(walls["plain"][0] / wall_s, 3),
+                  "ratio_to_plain_with_obs": round(walls["plain_with_obs"][0] / wall_s, 3),
+                  "ratio_to_replay": round(walls["replay"][0] / wall_s, 3)})
+            for mode, median in walls.items():
+                emit(baseline_row(run, mode, median, agent["model_tokens"], agent["prompt_tokens"]
+                                  + (agent["observation_tokens"] if mode == "plain_with_obs" else 0)))
+
+
+# -- report ----------------------------------------------------------------------------------------
+def print_table(rows: list[dict]) -> None:
+    def key(r):
+        return r["engine"], r["trajectories"], r["schedule"], r.get("admit_every_steps")
+
+    plain = {key(r): r for r in rows if r["mode"] == "plain"}
+    head = (f"{'engine':6} {'traj':>5} {'sched':10} {'agent tok/s':>11} {'plain tok/s':>11} {'ratio':>6} "
+            f"{'r/+obs':>6} {'r/rep':>6} {'hf/vllm':>7} {'wall s':>7} {'turns':>5} {'tok/turn':>8} {'valid/inv':>10} {'retr s':>6} "
+            f"{'prompt+obs tok':>15}  finish")
+    print("\n" + head + "\n" + "-" * len(head))
+    for r in rows:
+        if r["mode"] != "agent":
+            continue
+        p = plain[key(r)]
+        sched = r["schedule"] + (f"/{r['admit_every_steps']}" if r.get("admit_every_steps") else "")
+        hf = f"{r['hf_over_vllm']:.2f}" if "hf_over_vllm" in r else "-"
+        rep = f"{r['ratio_to_replay']:.2f}" if "ratio_to_replay" in r else "-"
+        finish = " ".join(f"{k}:{v}" for k, v in sorted(r["finish"].items()))
+        print(f"{r['engine']:6} {r['trajectories']:>5} {sched:10} {r['tokens_per_s']:>11,.0f} "
+              f"{p['tokens_per_s']:>11,.0f} {r['ratio_to_plain']:>6.2f} {r['ratio_to_plain_with_obs']:>6.2f} {rep:>6} "
+              f"{hf:>7} {r['wall_s']:>7.1f} "
+              f"{r['turns_per_trajectory']:>5.2f} {r['model_tokens_per_turn']:>8.0f} "
+              f"{r['searches_valid']:>4}/{r['invalid_actions']:<5} {r['retrieval_busy_s']:>6.1f} "
+              f"{r['prompt_tokens']:>7}+{r['observation_tokens']:<7}  {finish}")
+
+
+def main(argv=None):
+    a = parse_args(argv)
     gpu = torch.cuda.is_available() and not a.quick
     mean_turn = a.response_tokens / (a.max_turns + 1)
     if mean_turn <= 2:
@@ -882,10 +475,7 @@ def main(argv=None):
     work = Path(a.workdir)
     work.mkdir(parents=True, exist_ok=True)
 
-    from conftest import ServerProcess
-    from search_r1.agent.loop import AgentConfig, HTTPSearcher
-    from search_r1.data.bundled import bundled_paths
-    from search_r1.retrieval.build import build_dense
+    from search_r1.agent.loop import AgentConfig, HTTPSearcher, response_budget
     from search_r1.retrieval.client import RetrieverConfig
     from verl.workers.rollout.engines import HFEngine, SamplingConfig, VLLMEngine
 
@@ -895,8 +485,8 @@ def main(argv=None):
     logit_bias = None if a.tag_bias is None else {t: a.tag_bias for t in tag_ids}
     # Room for every turn's cap and observation: the per-turn cap, not the total, limits a turn.
     cfg = AgentConfig(max_turns=a.max_turns, max_obs_length=a.max_obs_length, topk=a.topk, timeout_s=3600,
-                      max_response_length=(a.max_turns + 1) * cap + a.max_turns * a.max_obs_length)
-    max_model_len = max(map(len, prompts_all)) + cfg.max_response_length + 8
+                      max_response_tokens=response_budget(a.max_turns, cap, a.max_obs_length))
+    max_model_len = max(map(len, prompts_all)) + cfg.max_response_tokens + 8
     common = {"bench": "rollout", "device": torch.cuda.get_device_name() if gpu else "cpu", "shape": a.shape,
               "vocab": len(tok), "max_turns": a.max_turns, "mean_turn_target": round(mean_turn, 1),
               "max_tokens_per_turn": cap, "max_obs_length": a.max_obs_length, "topk": a.topk,
@@ -918,21 +508,9 @@ def main(argv=None):
             if ref:
                 row["hf_over_vllm"] = round(row["tokens_per_s"] / ref["tokens_per_s"], 3)
         rows.append(row)
-        print(json.dumps(row), flush=True)
-        if a.out:
-            with open(a.out, "a") as f:
-                f.write(json.dumps(row) + "\n")
+        emit_row(row, a.out)
 
-    corpus = bundled_paths()["corpus"]
-    index = work / "minilm_index"
-    if not ((index / "index_meta.json").is_file() and json.loads((index / "index_meta.json").read_text())["complete"]):
-        build_dense(str(corpus), str(index), "all-MiniLM-L6-v2", progress=False)
-        if gpu:
-            torch.cuda.empty_cache()  # the encoder's memory goes back before vLLM sizes its cache
-    server = ServerProcess(["--retriever_name", "minilm", "--retriever_model", "all-MiniLM-L6-v2",
-                            "--index_path", str(index), "--corpus_path", str(corpus),
-                            *(["--devices", a.retrieval_devices] if a.retrieval_devices else [])],
-                           work / "retrieval.log")
+    server = start_retrieval_server(a, work, gpu)
     t_start = time.perf_counter()
     try:
         searcher = TimedSearcher(HTTPSearcher(RetrieverConfig(url=f"{server.url}/retrieve", topk=a.topk)))
@@ -943,24 +521,7 @@ def main(argv=None):
             if not concurrencies:
                 continue
             if name == "vllm":
-                kw = ({"gpu_memory_utilization": a.gpu_memory_utilization / a.engines} if gpu
-                      else {"kv_cache_memory_bytes": 256 << 20})  # small explicit CPU cache: no profiling run
-                compilation = {k: v for k, v in (("cudagraph_mode", a.cudagraph_mode),
-                                                  ("max_cudagraph_capture_size", a.max_cudagraph_capture_size)) if v}
-                if compilation:
-                    kw["compilation_config"] = compilation
-                kw |= dict(a.vllm_arg)
-                if a.core_stats:
-                    kw |= {"disable_log_stats": False, "cudagraph_metrics": True,
-                           "enable_logging_iteration_details": True}
-                    logging.getLogger("vllm.v1.metrics.loggers").setLevel(logging.WARNING)  # a line per step
-                if a.torch_profile:  # a window of steps of every run, each step named with its batch
-                    a.torch_profile = str(Path(a.torch_profile).resolve())
-                    kw["profiler_config"] = {
-                        "profiler": "torch", "torch_profiler_dir": a.torch_profile, "torch_profiler_with_stack": False,
-                        "torch_profiler_dump_cuda_time_total": False, "detailed_trace_annotation": True,
-                        "ignore_frontend": True, "delay_iterations": a.torch_profile_steps[0],
-                        "max_iterations": a.torch_profile_steps[1]}
+                kw = vllm_engine_kwargs(a, gpu)
                 engine = VLLMEngine(model, seed=a.seed, max_model_len=max_model_len,
                                     separate_core=a.engine_core == "separate", **kw)
                 common["engine_core_client"] = type(engine.llm.llm_engine.engine_core).__name__  # InprocClient or not

@@ -33,9 +33,7 @@ import httpx
 import numpy as np
 
 from search_r1.retrieval.base import Hit, Retriever
-
-WORDS = ("capital city country river mountain king queen war born died president album film "
-         "novel author team league planet element language currency ocean island museum").split()
+from synthetic_retrieval import make_encoder_dir, make_vectors, random_query
 
 
 def build_synthetic(n: int, dim: int, out_dir: str, tokenizer: str, encoder_layers: int):
@@ -57,21 +55,6 @@ def build_synthetic(n: int, dim: int, out_dir: str, tokenizer: str, encoder_laye
     return corpus, make_encoder_dir(os.path.join(out_dir, "encoder-e5-shape"), tokenizer, dim, encoder_layers)
 
 
-def make_encoder_dir(out: str, tokenizer: str, dim: int, layers: int) -> str:
-    """A BERT of the given shape with random weights and a real tokenizer, saved to `out` (once)."""
-    import torch
-    from transformers import AutoTokenizer, BertConfig, BertModel
-
-    if not os.path.exists(os.path.join(out, "config.json")):
-        tok = AutoTokenizer.from_pretrained(tokenizer)
-        torch.manual_seed(0)
-        cfg = BertConfig(vocab_size=tok.vocab_size, hidden_size=dim, num_hidden_layers=layers,
-                         num_attention_heads=max(1, dim // 64), intermediate_size=4 * dim)
-        BertModel(cfg).save_pretrained(out)
-        tok.save_pretrained(out)
-    return out
-
-
 def devices_of(a) -> list[str]:
     """The devices of the vectors; the encoder runs on the first."""
     import torch
@@ -91,8 +74,6 @@ def synthetic_retriever(a):
     from search_r1.retrieval.corpus import Corpus
     from search_r1.retrieval.dense import DenseRetriever, ExactIndex
     from search_r1.retrieval.encoders import Encoder, EncoderSpec
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from bench_dense_search import make_vectors
 
     corpus, enc_dir = build_synthetic(a.n, a.dim, a.workdir, a.tokenizer, a.encoder_layers)
     devices = devices_of(a)
@@ -144,7 +125,7 @@ def client_process(url, n_clients, q_per_req, duration, seed, results):
         async with httpx.AsyncClient(timeout=60) as http:
             end = time.perf_counter() + duration
             while time.perf_counter() < end:
-                qs = [" ".join(rng.choices(WORDS, k=rng.randint(4, 12))) for _ in range(q_per_req)]
+                qs = [random_query(rng, 4, 12) for _ in range(q_per_req)]
                 t = time.perf_counter()
                 r = await http.post(url, json={"queries": qs, "topk": 3, "return_scores": True})
                 r.raise_for_status()

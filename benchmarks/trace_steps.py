@@ -25,6 +25,8 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
+from result_rows import emit_row
+
 STEP = re.compile(r"execute_(\d+)_context_(\d+)\(sq(\d+)sk(\d+)[^)]*\)_generation_(\d+)\(sq(\d+)sk(\d+)")
 
 
@@ -127,10 +129,7 @@ def main(argv=None):
     for path in a.traces:
         row = {"trace": Path(path).name, "min_batch": a.min_batch,
                **summarize(steps_of(load_events(path)), a.min_batch, a.top)}
-        print(json.dumps(row), flush=True)
-        if a.out:
-            with open(a.out, "a") as f:
-                f.write(json.dumps(row) + "\n")
+        emit_row(row, a.out)
 
 
 if __name__ == "__main__":

@@ -54,7 +54,7 @@ def parts(out: Path, gpu_count: int, tokenizer: str) -> list[Part]:
     """The parts, with what they need prepared (SmolLM2 model dir, bundled data, BM25 server)."""
     from conftest import ServerProcess
     from search_r1.data.bundled import bundled_paths
-    from search_r1.models import materialize_smollm2
+    from search_r1.local_models import materialize_smollm2
     from search_r1.retrieval.build import build_bm25_index
 
     model = materialize_smollm2(out / "smollm2")
@@ -76,7 +76,7 @@ def parts(out: Path, gpu_count: int, tokenizer: str) -> list[Part]:
             lambda: expect_eval(dest / "eval_search.json"))
 
     enc, dense = out / "e5-shaped-random", out / "dense_index"
-    from bench_server import make_encoder_dir
+    from synthetic_retrieval import make_encoder_dir  # benchmarks/: the server benchmark's random encoder
     make_encoder_dir(str(enc), tokenizer, dim=384, layers=2)
     return [
         Part("gpu-tests", min(2, gpu_count), [sh(PY, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",

@@ -17,6 +17,8 @@ The install side uses only the standard library and pip (the node has no network
 `build` copies this file into the bundle so the bundle directory is all the node needs. Without
 Python at hand the parts are still plain: `cat parts/part_* | tar -x` yields the wheels.
 
+The presets (packages, pins, trims) are data: offline_bundle_presets.toml, beside this file. Only
+`build` reads it, so `install` needs this file alone (build copies the presets along anyway).
 The "gpu-node" preset is the recipe recorded in shared/GPU_NODE.md: vLLM 0.26.0 (the release built
 for torch 2.11 + CUDA 13) and Ray 2.60.0, both trimmed, plus the dependencies the node lacks. It
 deliberately differs from vLLM's own pins in one place: apache-tvm-ffi is the newest release, not
@@ -100,135 +102,67 @@ class Preset:
     accepted_conflicts: tuple[tuple[str, str, str], ...] = ()
 
 
-# pip matches manylinux tags exactly, so the target's compatible tags are listed one by one.
-DEFAULT_PLATFORMS = (
-    "manylinux_2_28_x86_64",
-    "manylinux_2_27_x86_64",
-    "manylinux_2_17_x86_64",
-    "manylinux2014_x86_64",
-    "manylinux1_x86_64",
-)
-# Tried only when nothing matched the platforms above (the node's glibc is 2.39).
+# Tried only when nothing matched a preset's platforms (the node's glibc is 2.39).
 FALLBACK_PLATFORM_STEMS = ("manylinux_2_24", "manylinux_2_31", "manylinux_2_34", "manylinux_2_35")
 
-VLLM_TRIM = TrimRule(
-    drop=(
-        "vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so",  # FlashAttention-2; Hopper uses the FA3 library
-        "vllm/_flashmla_C.abi3.so",
-        "vllm/_flashmla_extension_C.abi3.so",
-        "vllm/_qutlass_C.abi3.so",
-        "vllm/vllm-rs",  # a file in 0.26.0; a directory would go as well
-        "vllm/third_party",
-    ),
-    # The bundled Python modules (e.g. pynvml) are needed: without them vLLM finds no CUDA platform.
-    keep=("vllm/third_party/*.py", "vllm/third_party/*.json"),
-)
-RAY_TRIM = TrimRule(
-    drop=(
-        "ray/jars",
-        "ray/dashboard/*.js.map",
-        "ray/rllib",
-        "ray/tune",
-        "ray/train",
-        "ray/data",
-        "ray/llm",
-        "ray/serve",
-    ),
-)
+PRESETS_FILE = Path(__file__).with_name("offline_bundle_presets.toml")
+PRESET_KEYS = {"python", "platforms", "packages", "sdist_ok", "trim", "node_has", "left_out", "accepted_conflicts"}
 
-GPU_NODE = Preset(
-    python="3.12",
-    platforms=DEFAULT_PLATFORMS,
-    packages=(
-        Package("vllm", "0.26.0", trim=VLLM_TRIM),
-        Package("ray", "2.60.0", trim=RAY_TRIM),
-        # vLLM's missing dependencies (GPU_NODE.md), pinned to satisfy vllm 0.26.0's Requires-Dist.
-        Package("cbor2", "6.3.0"),
-        Package("pyzmq", "27.3.0"),
-        Package("openai-harmony", "0.0.8"),
-        Package("openai", "2.54.0"),  # 2.x: 3.x needs httpx2
-        Package("distro", "1.9.0"),
-        Package("jiter", "0.19.0"),
-        Package("sniffio", "1.3.1"),
-        Package("msgspec", "0.22.0"),
-        Package("pybase64", "1.5.1"),
-        Package("cachetools", "8.0.2"),
-        Package("llguidance", "1.7.6"),  # vllm: >=1.7.0,<1.8.0
-        Package("xgrammar", "0.2.8"),
-        Package("apache-tvm-ffi", "0.1.15.post2"),  # xgrammar 0.2.8 needs >=0.1.11
-        Package("fastapi", "0.136.3"),  # vllm: >=0.133.0,<0.137.0
-        Package("starlette", "1.10.0"),
-        Package("pydantic", "2.14.4"),
-        Package("pydantic-core", "2.50.5"),  # pydantic 2.14.4 pins it exactly
-        Package("annotated-types", "0.8.0"),
-        Package("typing-inspection", "0.4.5"),
-        Package("partial-json-parser", "0.2.1.1.post7"),
-        Package("blake3", "1.0.11"),
-        Package("setproctitle", "1.3.8"),
-        Package("python-json-logger", "4.2.0"),
-        Package("compressed-tensors", "0.17.0"),
-        Package("loguru", "0.7.3"),  # compressed-tensors imports it
-        Package("depyf", "0.20.0"),
-        Package("astor", "0.8.1"),
-        Package("dill", "0.4.1"),
-        Package("gguf", "0.19.0"),
-        Package("ijson", "3.6.0"),
-        Package("lark", "1.2.2"),
-        Package("outlines-core", "0.2.14"),
-        # Ray's missing dependencies.
-        Package("jsonschema", "4.26.0"),
-        Package("jsonschema-specifications", "2025.9.1"),
-        Package("referencing", "0.37.0"),
-        Package("rpds-py", "2026.9.1"),
-        # What Search-R1 itself needs and the node lacks (wandb is not needed there).
-        Package("hydra-core", "1.3.8"),
-        Package("omegaconf", "2.3.0"),  # hydra-core 1.3.8: omegaconf<2.4
-        Package("antlr4-python3-runtime", "4.9.3", sdist_ok=True),  # hydra/omegaconf: ==4.9.*
-        Package("uvicorn", "0.54.0"),
-        Package("httptools", "0.9.0"),
-        Package("bm25s", "0.3.16"),
-        Package("pystemmer", "3.1.0"),
-        Package("faiss-cpu", "1.15.1"),
-    ),
-    # From the task brief and `pip list` on the node (2026-11-26).
-    node_has=(
-        "torch", "torchvision", "torchaudio", "transformers", "numpy", "pyarrow", "safetensors",
-        "tokenizers", "sentencepiece", "accelerate", "peft", "sentence-transformers", "pytest",
-        "httpx", "httpcore", "h11", "anyio", "click", "typing-extensions", "prometheus-client",
-        "psutil", "requests", "pyyaml", "jinja2", "msgpack", "filelock", "aiohttp", "protobuf",
-        "grpcio", "tqdm", "regex", "tiktoken", "einops", "triton", "uvloop", "cloudpickle",
-        "packaging", "pillow", "numba", "scipy", "attrs", "annotated-doc", "py-cpuinfo", "six",
-        "setuptools", "ninja", "opencv-python-headless", "huggingface-hub", "aiosignal",
-        "aiohappyeyeballs", "frozenlist", "multidict", "propcache", "yarl", "idna",
-    ),
-    left_out=(
-        # vLLM extras we do not use for offline generation in a trainer (GPU_NODE.md recipe).
-        "flashinfer-python", "mistral-common", "anthropic", "mcp", "model-hosting-container-standards",
-        "opentelemetry-sdk", "opentelemetry-api", "opentelemetry-exporter-otlp",
-        "opentelemetry-semantic-conventions-ai", "prometheus-fastapi-instrumentator",
-        "lm-format-enforcer", "watchfiles", "torchcodec", "pynvvideocodec", "tilelang",
-        "nvidia-cudnn-frontend", "nvtx", "fastsafetensors", "nvidia-cutlass-dsl", "quack-kernels",
-        "tokenspeed-mla", "humming-kernels",
-    ),
-    accepted_conflicts=(
-        ("vllm", "apache-tvm-ffi", "xgrammar 0.2.8 needs >=0.1.11; vLLM pins 0.1.10 for flashinfer"),
-        ("vllm", "numba", "the node's numba is used as is (vLLM pins 0.65.0)"),
-        ("vllm", "setuptools", "the node's setuptools is used as is"),
-    ),
-)
 
-# The retrieval server alone (`search-r1 serve`: dense, BM25, FAISS) on a node like the one above:
-# no vLLM, no Ray, no Hydra — 23 MB of wheels (19 of them FAISS) against the GPU node's ≈ 230 MB.
-SERVER_PACKAGES = ("fastapi", "starlette", "pydantic", "pydantic-core", "annotated-types", "typing-inspection",
-                   "sniffio", "uvicorn", "httptools", "bm25s", "pystemmer", "faiss-cpu")
-RETRIEVAL_NODE = Preset(
-    python=GPU_NODE.python,
-    platforms=GPU_NODE.platforms,
-    packages=tuple(p for p in GPU_NODE.packages if p.name in SERVER_PACKAGES),
-    node_has=GPU_NODE.node_has,
-)
+def load_presets(path: Path = PRESETS_FILE) -> dict[str, Preset]:
+    """The presets written in `path` (offline_bundle_presets.toml, which describes its keys).
 
-PRESETS = {"gpu-node": GPU_NODE, "retrieval-node": RETRIEVAL_NODE}
+    Called by `build` only: `install` must run on the node from the bundle's copy of this script,
+    and on Pythons older than tomllib (3.11) too.
+    """
+    try:
+        import tomllib
+    except ImportError:
+        raise BundleError("reading the presets needs Python 3.11 or newer (tomllib): run build with it") from None
+    if not path.is_file():
+        raise BundleError(f"{path} is missing: the presets lie beside offline_bundle.py in the repository's "
+                          f"scripts/; copy it from there")
+    with open(path, "rb") as f:
+        tables = tomllib.load(f)
+    presets: dict[str, Preset] = {}
+    for name, table in tables.items():  # in file order: a subset follows the preset it names
+        if "subset_of" in table:
+            presets[name] = _subset_preset(path, name, table, presets)
+            continue
+        if unknown := set(table) - PRESET_KEYS:
+            raise BundleError(f"{path}: [{name}] has unknown keys {sorted(unknown)}; known: {sorted(PRESET_KEYS)}")
+        pins = [pin.partition("==") for pin in table["packages"]]  # (name, "==", version)
+        if bad := [pkg + sep + version for pkg, sep, version in pins if not (pkg and sep and version)]:
+            raise BundleError(f"{path}: [{name}] packages {bad} are not written NAME==VERSION")
+        trims = {pkg: TrimRule(tuple(rule["drop"]), tuple(rule.get("keep", ())))
+                 for pkg, rule in table.get("trim", {}).items()}
+        sdist_ok = set(table.get("sdist_ok", ()))
+        if strays := (set(trims) | sdist_ok) - {pkg for pkg, _, _ in pins}:
+            raise BundleError(f"{path}: [{name}] trims or sdist_ok name {sorted(strays)}, which its packages lack")
+        presets[name] = Preset(
+            python=table["python"],
+            platforms=tuple(table["platforms"]),
+            packages=tuple(Package(pkg, version, trim=trims.get(pkg), sdist_ok=pkg in sdist_ok)
+                           for pkg, _, version in pins),
+            node_has=tuple(table["node_has"]),
+            left_out=tuple(table.get("left_out", ())),
+            accepted_conflicts=tuple(tuple(c) for c in table.get("accepted_conflicts", ())))
+    return presets
+
+
+def _subset_preset(path: Path, name: str, table: dict, presets: dict[str, Preset]) -> Preset:
+    """A preset made of some packages of another, with that one's pins, Python, platforms and
+    node_has, so that one node can take both bundles."""
+    if unknown := set(table) - {"subset_of", "packages"}:
+        raise BundleError(f"{path}: [{name}] is a subset_of preset: it takes only `packages`, not {sorted(unknown)}")
+    base = presets.get(table["subset_of"])
+    if base is None:
+        raise BundleError(f"{path}: [{name}] is a subset of {table['subset_of']!r}, which must come above it")
+    wanted = set(table["packages"])
+    if missing := wanted - {p.name for p in base.packages}:
+        raise BundleError(f"{path}: [{name}] packages {sorted(missing)} are not in [{table['subset_of']}]")
+    return Preset(python=base.python, platforms=base.platforms, node_has=base.node_has,
+                  packages=tuple(p for p in base.packages if p.name in wanted))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -683,6 +617,7 @@ def build(preset: Preset, out: Path, part_mb: float, python: str | None = None,
                 "total_bytes": sum(p["size"] for p in parts), "wheels": entries, "parts": parts}
     (out / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
     shutil.copy2(Path(__file__), out / "offline_bundle.py")
+    shutil.copy2(PRESETS_FILE, out / PRESETS_FILE.name)  # install does not need it; build --list from the bundle does
     return manifest
 
 
@@ -724,7 +659,10 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     b = sub.add_parser("build", help="download, trim, split (on a connected machine)")
-    b.add_argument("--preset", choices=sorted(PRESETS), default="gpu-node")
+    # No argparse choices: they would have to be read from the presets file before any command,
+    # and `install` must not need that file.
+    b.add_argument("--preset", default="gpu-node", metavar="NAME",
+                   help=f"a preset of {PRESETS_FILE.name} (default: %(default)s)")
     b.add_argument("--python", help="target Python version, e.g. 3.12 (default: the preset's)")
     b.add_argument("--platform", action="append", dest="platforms",
                    help="target platform tag, repeatable (default: the preset's manylinux tags)")
@@ -740,7 +678,11 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
         if args.command == "build":
-            preset = PRESETS[args.preset]
+            presets = load_presets()
+            if args.preset not in presets:
+                b.error(f"argument --preset: invalid choice: {args.preset!r} (choose from "
+                        f"{', '.join(map(repr, sorted(presets)))})")
+            preset = presets[args.preset]
             python = args.python or preset.python
             platforms = tuple(args.platforms or preset.platforms)
             if args.list:

@@ -58,6 +58,7 @@ def test_quick(script, tmp_path):
     if script == "bench_grpo_step.py":  # --quick steers the random policy into searching (a logit bias)
         assert all(row["agent/searches"] > 0 and row["response/observation_tokens"] > 0 for row in rows)
         assert [row["step"] for row in rows] == [1]
+        assert all(row["shape"] == "tiny" and len(row["tag_bias"]) == 2 for row in rows)  # both search tags
         assert all(row["phases_s"][phase] > 0 for row in rows
                    for phase in ("rollout", "old_log_probs", "ref_log_probs", "update_actor", "weight_sync", "step"))
         assert all(row["throughput/generated_tokens_per_s"] > 0 and row["throughput/train_tokens_per_s"] > 0
@@ -79,11 +80,19 @@ def test_quick(script, tmp_path):
                     and all(row[k] == agent[k] for k in ("engine", "trajectories", "schedule"))]
             assert {row["mode"] for row in same} >= {"plain", "plain_with_obs"}
             assert all(row["model_tokens"] == agent["model_tokens"] for row in same)
-            assert agent["ratio_to_plain"] > 0
+            assert agent["ratio_to_plain"] > 0 and agent["ratio_to_plain_with_obs"] > 0
+            assert ("ratio_to_replay" in agent) == (agent["engine"] == "vllm")  # the replay needs vLLM's step loop
+            for row in same:  # a baseline row: its median wall, every repeat's, the agent's prompts (+ observations)
+                assert row["wall_s"] in row["wall_s_all"]
+                assert row["tokens_per_s"] == pytest.approx(row["model_tokens"] / row["wall_s"], rel=0.05)
+                obs = agent["observation_tokens"] if row["mode"] == "plain_with_obs" else 0
+                assert row["prompt_tokens"] == agent["prompt_tokens"] + obs
+            assert agent["turns_per_trajectory"] >= 1 and sum(agent["finish"].values()) == agent["trajectories"]
     if script == "bench_encoder.py":  # on CPU the eager encoder only, compared with itself
         assert all(row["mode"] == "eager" and row["min_cosine_to_eager"] > 0.9999 for row in rows)
         assert [row["batch"] for row in rows] == [1, 8]
         assert all(row["queries_per_s"] > 0 and row["padded_length"] > 0 for row in rows)
+        assert all(row["dim"] == 64 and row["layers"] == 2 for row in rows)  # --quick's small random encoder
 
 
 def quick_server(tmp_path, flag: str):

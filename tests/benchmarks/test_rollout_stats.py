@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-from bench_rollout import TimedSearcher, core_timeline_stats, median_run, turns_of  # noqa: E402
+from rollout_stats import TimedSearcher, core_timeline_stats, median_run, turns_of  # noqa: E402
 
 from search_r1.agent.loop import Trajectory  # noqa: E402
 

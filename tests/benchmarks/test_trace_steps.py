@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-from trace_steps import kernel_kind, load_events, steps_of, summarize  # noqa: E402
+from trace_steps import kernel_kind, load_events, main, steps_of, summarize  # noqa: E402
 
 
 def step_mark(ts, decode, kv, prefill=0, prefill_tokens=0):
@@ -72,3 +72,15 @@ def test_kernel_kinds():
     assert kernel_kind("void cutlass::device_kernel<flash::FlashAttnFwdCombine<...>>") == "attention"
     assert kernel_kind("nvjet_sm90_tst_256x144_64x4_2x1_v_bz_coopA_TNT") == "gemm"
     assert kernel_kind("triton_red_fused_fused_add_rms_norm_2") == "other"
+
+
+def test_command_prints_and_appends_one_row_per_trace(trace, tmp_path, capsys):
+    out = tmp_path / "rows.jsonl"
+    out.write_text('{"earlier": "run"}\n')  # --out appends: rows of earlier runs stay
+    main([trace, "--min-batch", "700", "--top", "1", "--out", str(out)])
+    printed = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert rows[0] == {"earlier": "run"} and rows[1:] == printed
+    (row,) = printed
+    assert row["trace"] == "replay.pt.trace.json.gz" and row["min_batch"] == 700
+    assert row["decode_steps"] == 1 and list(row["top_kernels_ms"]) == ["nvjet_sm90_tst_128x128"]

@@ -9,6 +9,7 @@ import importlib.util
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 import zipfile
@@ -21,6 +22,7 @@ _spec = importlib.util.spec_from_file_location("offline_bundle", SCRIPT)
 ob = importlib.util.module_from_spec(_spec)
 sys.modules["offline_bundle"] = ob  # dataclasses look their module up while the file executes
 _spec.loader.exec_module(ob)
+PRESETS = ob.load_presets()  # scripts/offline_bundle_presets.toml
 
 
 def record_hash(data: bytes) -> str:
@@ -218,7 +220,7 @@ def test_install_refuses_another_python(tmp_path):
 
 
 def test_gpu_node_preset_is_consistent():
-    preset = ob.GPU_NODE
+    preset = PRESETS["gpu-node"]
     names = [ob.normalize(p.name) for p in preset.packages]
     assert len(names) == len(set(names)), "one version of each package"
     assert not set(names) & {ob.normalize(n) for n in preset.node_has}
@@ -239,8 +241,8 @@ def test_gpu_node_preset_is_consistent():
 
 
 def test_retrieval_node_preset_is_the_servers_part_of_the_gpu_node():
-    gpu = {ob.normalize(p.name): p.version for p in ob.GPU_NODE.packages}
-    server = {ob.normalize(p.name): p.version for p in ob.RETRIEVAL_NODE.packages}
+    gpu = {ob.normalize(p.name): p.version for p in PRESETS["gpu-node"].packages}
+    server = {ob.normalize(p.name): p.version for p in PRESETS["retrieval-node"].packages}
     assert server.items() <= gpu.items()  # the same pins: one node can take both bundles
     assert {"fastapi", "uvicorn", "pydantic-core", "bm25s", "faiss-cpu"} <= set(server)
     assert not set(server) & {"vllm", "ray", "hydra-core", "xgrammar"}
@@ -248,12 +250,14 @@ def test_retrieval_node_preset_is_the_servers_part_of_the_gpu_node():
 
 
 def test_download_command_targets_the_node():
-    cmd = ob.pip_download_cmd("vllm==0.26.0", "3.12", list(ob.DEFAULT_PLATFORMS), Path("d"))
+    platforms = PRESETS["gpu-node"].platforms
+    assert platforms[0] == "manylinux_2_28_x86_64" and "manylinux2014_x86_64" in platforms
+    cmd = ob.pip_download_cmd("vllm==0.26.0", "3.12", list(platforms), Path("d"))
     assert cmd[1:4] == ["-m", "pip", "download"]
     assert {"--no-deps", "--only-binary=:all:"} <= set(cmd)
     assert cmd[cmd.index("--python-version") + 1] == "3.12"
-    assert [cmd[i + 1] for i, a in enumerate(cmd) if a == "--platform"] == list(ob.DEFAULT_PLATFORMS)
-    fallback = ob.fallback_platforms(ob.DEFAULT_PLATFORMS)
+    assert [cmd[i + 1] for i, a in enumerate(cmd) if a == "--platform"] == list(platforms)
+    fallback = ob.fallback_platforms(platforms)
     assert "manylinux_2_31_x86_64" in fallback and fallback[-1] == "any"
 
 
@@ -261,6 +265,48 @@ def test_list_fetches_nothing(capsys):
     assert ob.main(["build", "--preset", "gpu-node", "--list"]) == 0
     out = capsys.readouterr().out
     assert "vllm==0.26.0" in out and "antlr4-python3-runtime==4.9.3" in out
+    assert "wheel built from the sdist" in out and "keep vllm/third_party/*.py" in out
+
+
+def test_an_unknown_preset_is_refused_with_the_known_names(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        ob.main(["build", "--preset", "cpu-node", "--list"])
+    assert exit_.value.code == 2
+    assert "invalid choice: 'cpu-node' (choose from 'gpu-node', 'retrieval-node')" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("text, message", [
+    ('[a]\npython = "3.12"\nplatforms = []\nnode_has = []\npackages = ["x==1"]\nextras = []\n', "unknown keys"),
+    ('[a]\npython = "3.12"\nplatforms = []\nnode_has = []\npackages = ["x>=1"]\n', "NAME==VERSION"),
+    ('[a]\npython = "3.12"\nplatforms = []\nnode_has = []\npackages = ["x==1"]\nsdist_ok = ["y"]\n',
+     "which its packages lack"),
+    ('[b]\nsubset_of = "a"\npackages = ["x"]\n', "must come above it"),
+    ('[a]\npython = "3.12"\nplatforms = []\nnode_has = []\npackages = ["x==1"]\n'
+     '[b]\nsubset_of = "a"\npackages = ["y"]\n', "are not in [a]"),
+])
+def test_a_mistake_in_the_presets_file_is_named(tmp_path, text, message):
+    path = tmp_path / "presets.toml"
+    path.write_text(text)
+    with pytest.raises(ob.BundleError, match=re.escape(message)):
+        ob.load_presets(path)
+
+
+def test_the_bundles_own_copy_installs_without_the_presets_file(tmp_path, fake_wheel, monkeypatch):
+    """build copies the script (and the presets) into the bundle; on the node, `install` runs from
+    that copy, which needs no presets file: here it is removed first."""
+    monkeypatch.setattr(ob, "fetch", lambda pkg, python, platforms, downloads: fake_wheel)
+    preset = ob.Preset(python=f"{sys.version_info.major}.{sys.version_info.minor}", platforms=(),
+                       packages=(ob.Package("fakepkg", "1.0", trim=RULE),), node_has=("numpy",))
+    bundle = tmp_path / "bundle"
+    ob.build(preset, bundle, part_mb=0.02)
+    assert (bundle / "offline_bundle.py").read_bytes() == SCRIPT.read_bytes()
+    assert (bundle / "offline_bundle_presets.toml").read_bytes() == ob.PRESETS_FILE.read_bytes()
+    (bundle / "offline_bundle_presets.toml").unlink()
+    site = tmp_path / "site"
+    r = subprocess.run([sys.executable, str(bundle / "offline_bundle.py"), "install", "--from", str(bundle),
+                        "--target", str(site)], capture_output=True, text=True, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert (site / "fakepkg/__init__.py").is_file() and not (site / "fakepkg/_big_C.abi3.so").exists()
 
 
 def test_requirement_check_and_uniqueness(tmp_path):
