@@ -78,15 +78,17 @@ def parts(out: Path, gpu_count: int, tokenizer: str) -> list[Part]:
     enc, dense = out / "e5-shaped-random", out / "dense_index"
     from synthetic_retrieval import make_encoder_dir  # benchmarks/: the server benchmark's random encoder
     make_encoder_dir(str(enc), tokenizer, dim=384, layers=2)
+    # The longest part first: parts start in this order as GPUs come free, and the demo needs the
+    # most time of any.
     return [
+        Part("demo", 1, [sh(PY, "-m", "search_r1.demo", "--preset", "gpu", "--retriever", "bm25",
+                            "--grpo-minutes", 1, "--eval-questions", EVAL_QUESTIONS, "--out", out / "demo")],
+             lambda: expect_file(out / "demo" / "run" / "report.html")),
         Part("gpu-tests", min(2, gpu_count), [sh(PY, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
                                                  *sorted(str(p) for p in ROOT.glob("tests/**/*_gpu.py")))],
              lambda: expect_no_skips(out / "gpu-tests.log", gpu_count)),
         eval_part("separate"),
         eval_part("in_process"),
-        Part("demo", 1, [sh(PY, "-m", "search_r1.demo", "--preset", "gpu", "--retriever", "bm25",
-                            "--grpo-minutes", 1, "--eval-questions", EVAL_QUESTIONS, "--out", out / "demo")],
-             lambda: expect_file(out / "demo" / "run" / "report.html")),
         Part("grpo-0.5b", 1, [sh(PY, ROOT / "benchmarks" / "bench_grpo_step.py", "--shape", "0.5b", "--steps", 1,
                                  "--prompts", 8, "--n", 4, "--max-turns", 2, "--search-every", 100,
                                  "--workdir", out / "grpo", "--out", out / "grpo.jsonl",
