@@ -75,7 +75,10 @@ def build_parser():
     p.add_argument("--template", choices=["instruct", "base"], default="instruct",
                    help="instruct: the chat template; base: the prompt as plain text")
     p.add_argument("--max-turns", type=int, default=4, help="searches allowed")
-    p.add_argument("--max-response-length", type=int, default=2048, help="tokens of the whole response")
+    # All turns together; --max-response-length, its earlier name, still works (the trainer's key of
+    # that name counts one turn).
+    p.add_argument("--max-response-tokens", "--max-response-length", dest="max_response_tokens", type=int,
+                   default=2048, help="tokens of the whole response, every turn and passage included")
     p.add_argument("--topk", type=int, default=3, help="passages per search")
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     p.add_argument("--no-colour", action="store_true", help="plain text output")
@@ -100,7 +103,7 @@ def main(argv=None) -> int:
         from search_r1.local_models import materialize_smollm2
         model = materialize_smollm2(os.path.join(os.path.expanduser("~"), ".cache", "search_r1", "smollm2"))
     if args.engine == "vllm":
-        engine = VLLMEngine(model, max_model_len=args.max_response_length + 1024)
+        engine = VLLMEngine(model, max_model_len=args.max_response_tokens + 1024)
     else:
         device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
         engine = HFEngine(model, device=device, dtype="bfloat16" if device == "cuda" else "float32")
@@ -114,7 +117,7 @@ def main(argv=None) -> int:
         print(colourise(text, state, colour), end="", flush=True)
 
     agent = SearchAgent(engine, searcher, AgentConfig(max_turns=args.max_turns, topk=args.topk,
-                                                      max_response_tokens=args.max_response_length),
+                                                      max_response_tokens=args.max_response_tokens),
                         on_event=show)
 
     def ask(question: str):
@@ -124,7 +127,7 @@ def main(argv=None) -> int:
             prompt = make_prompt_text(question, "base")
         state[0] = ""
         (t,) = agent.run([tok(prompt, add_special_tokens=False).input_ids],
-                         SamplingConfig(temperature=args.temperature, max_tokens=args.max_response_length))
+                         SamplingConfig(temperature=args.temperature, max_tokens=args.max_response_tokens))
         from search_r1.rewards import extract_answer
         answer = extract_answer(tok.decode(t.response_ids, skip_special_tokens=True))
         print(f"\n\nanswer: {answer!r}   ({t.searches} searches, finished by {t.finish}"
