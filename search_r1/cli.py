@@ -76,6 +76,10 @@ def _serve_parser(sub):
     _add(p, "max_query_chars", type=int, default=c.max_query_chars,
          help="a longer query gets a 413 (a dense encoder cuts queries at --query_max_length tokens)")
     _add(p, "max_body_bytes", type=int, default=c.max_body_bytes, help="a larger request body gets a 413")
+    _add(p, "header_timeout_s", type=float, default=c.header_timeout_s,
+         help="seconds a connection may wait for a request's headers before it is closed")
+    _add(p, "body_timeout_s", type=float, default=c.body_timeout_s,
+         help="seconds a request body may take to arrive (then 408)")
     _add(p, "pages_path", help="web pages JSONL (rows {\"url\", \"contents\", ...}, as ASearcher's "
                                "--pages_path) served by POST /access; converted to .pages.arrow on first use")
     _add(p, "pipeline", action=argparse.BooleanOptionalAction, default=c.pipeline,
@@ -100,6 +104,7 @@ def _serve(args):
                        max_query_chars=args.max_query_chars, max_body_bytes=args.max_body_bytes,
                        max_batch=args.max_batch, max_wait_ms=args.max_wait_ms,
                        max_pending=args.max_pending, pipeline=args.pipeline,
+                       header_timeout_s=args.header_timeout_s, body_timeout_s=args.body_timeout_s,
                        api_key=args.api_key or os.environ.get("SEARCH_R1_API_KEY"))
     pages = None
     if args.pages_path:  # before the retriever, which takes far longer to load

@@ -85,6 +85,11 @@ class ServerConfig:
     # serves more queries/s than one thread under many concurrent clients and as many under fewer,
     # and on CPU as many (benchmarks/RESULTS.md, "Whole server").
     pipeline: bool = True
+    # A connection waiting longer than this for a request's headers (a new connection, or one kept
+    # alive after a response) is closed, and a request body that takes longer to arrive is refused
+    # (408): slow clients (slowloris) cannot hold connections or handlers forever.
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 60.0
 
 
 class RetrieveRequest(BaseModel):
@@ -393,18 +398,23 @@ def _encodable(text: str) -> bool:
     return True
 
 
-async def _read_json(request: Request, max_bytes: int):
-    """The request body parsed as JSON, read no further than `max_bytes`."""
+async def _read_json(request: Request, max_bytes: int, timeout_s: float = 60.0):
+    """The request body parsed as JSON, read no further than `max_bytes` and for no longer than
+    `timeout_s` (408 after it)."""
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > max_bytes:
         raise BadRequest(f"the body has {int(declared):,} bytes; this server takes at most {max_bytes:,} "
                          "(--max_body_bytes): split the request", 413)
     body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > max_bytes:
-            raise BadRequest(f"the body is over {max_bytes:,} bytes (--max_body_bytes): split the request",
-                             413)
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for chunk in request.stream():
+                body += chunk
+                if len(body) > max_bytes:
+                    raise BadRequest(f"the body is over {max_bytes:,} bytes (--max_body_bytes): split the "
+                                     "request", 413)
+    except TimeoutError:
+        raise BadRequest(f"the body did not arrive within {timeout_s:g} s", 408) from None
     try:
         return json.loads(body)
     except (ValueError, RecursionError) as e:  # ValueError: bad JSON or bad UTF-8
@@ -493,7 +503,8 @@ def create_app(retriever: Retriever, cfg: ServerConfig | None = None, name: str 
         if not authorized(request):  # before the body is read
             return error(401, "missing or wrong bearer token (Authorization: Bearer <api key>)")
         try:
-            req = _parse(RetrieveRequest, await _read_json(request, cfg.max_body_bytes), RETRIEVE_SHAPE)
+            req = _parse(RetrieveRequest, await _read_json(request, cfg.max_body_bytes, cfg.body_timeout_s),
+                         RETRIEVE_SHAPE)
             unknown_fields.check("/retrieve", req)
             topk = _validate(req, cfg)
         except BadRequest as e:
@@ -535,7 +546,8 @@ def create_app(retriever: Retriever, cfg: ServerConfig | None = None, name: str 
             return error(404, "this server has no pages: start it with --pages_path PAGES.jsonl "
                               '(rows {"url": ..., "contents": ...}) to serve /access')
         try:
-            req = _parse(AccessRequest, await _read_json(request, cfg.max_body_bytes), ACCESS_SHAPE)
+            req = _parse(AccessRequest, await _read_json(request, cfg.max_body_bytes, cfg.body_timeout_s),
+                         ACCESS_SHAPE)
             unknown_fields.check("/access", req)
             _check_texts(req.urls, "urls", cfg)
         except BadRequest as e:
@@ -589,4 +601,51 @@ def serve(retriever: Retriever, cfg: ServerConfig, host: str = "127.0.0.1", port
     # encoding down; a shorter interval lets it in sooner (benchmarks/RESULTS.md, "Whole server").
     sys.setswitchinterval(cfg.switch_interval_s)
     log.info("serving %s on http://%s:%d/retrieve", name, host, port)
-    uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)
+    uvicorn.Server(uvicorn_config(app, cfg, host, port)).run()
+
+
+def uvicorn_config(app, cfg: ServerConfig, host: str, port: int):
+    """The server's uvicorn settings: quiet logs, and connections that wait too long for headers closed."""
+    import uvicorn
+    return uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
+                          http=_with_header_deadline(cfg.header_timeout_s))
+
+
+def _with_header_deadline(seconds: float):
+    """uvicorn's HTTP protocol (httptools if installed, else h11) that closes a connection still
+    waiting for a request's headers `seconds` after it opened or after its last response. uvicorn
+    itself waits for headers forever; its keep-alive timeout starts only after a response."""
+    try:
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as Base
+    except ImportError:
+        from uvicorn.protocols.http.h11_impl import H11Protocol as Base
+
+    class HeaderDeadline(Base):
+        _timer = None
+
+        def connection_made(self, transport):
+            super().connection_made(transport)
+            self._arm()
+
+        def on_response_complete(self):
+            super().on_response_complete()
+            self._arm()
+
+        def connection_lost(self, exc):
+            if self._timer is not None:
+                self._timer.cancel()
+            super().connection_lost(exc)
+
+        def _arm(self):
+            if self._timer is not None:
+                self._timer.cancel()
+            self._timer = self.loop.call_later(seconds, self._check)
+
+        def _check(self):
+            # A request whose headers arrived has a cycle still answering: leave it to the handler
+            # (its body has a deadline of its own). Otherwise the headers are late: close.
+            waiting = self.cycle is None or self.cycle.response_complete
+            if waiting and not self.transport.is_closing():
+                self.transport.close()
+
+    return HeaderDeadline

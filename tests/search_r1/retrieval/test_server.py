@@ -528,3 +528,53 @@ def test_work_that_would_expire_in_the_queue_is_refused_at_once(real_retriever):
         assert len(slow.calls) <= 6 + len(answers) - len(refused), codes  # the refused were never searched
     finally:
         server.stop()
+
+
+def test_slow_clients_cannot_hold_connections(real_retriever):
+    """Slowloris: connections that drip their headers are closed after header_timeout_s, a body that
+    does not arrive in body_timeout_s gets 408, and the server answers others meanwhile."""
+    import socket
+
+    from search_r1.retrieval.server import uvicorn_config
+    cfg = ServerConfig(header_timeout_s=1.0, body_timeout_s=1.0)
+    port = free_port()
+    server = uvicorn.Server(uvicorn_config(create_app(real_retriever, cfg), cfg, "127.0.0.1", port))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.05)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        drips = [socket.create_connection(("127.0.0.1", port)) for _ in range(20)]
+        for s in drips:
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")
+            s.settimeout(0.1)
+        started, closed = time.monotonic(), set()
+        while len(closed) < len(drips) and time.monotonic() - started < 5:
+            for i, s in enumerate(drips):
+                if i in closed:
+                    continue
+                try:
+                    s.sendall(b"X-Slow: 1\r\n")  # a header line now and then, never the end
+                    if s.recv(1) == b"":
+                        closed.add(i)
+                except socket.timeout:
+                    pass
+                except OSError:  # reset by the server
+                    closed.add(i)
+            assert httpx.get(url + "/health", timeout=5).status_code == 200  # others are served
+        assert len(closed) == len(drips) and time.monotonic() - started < 4
+        # a body announced but never sent: 408 once body_timeout_s has passed
+        s = socket.create_connection(("127.0.0.1", port))
+        s.sendall(b"POST /retrieve HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 100\r\n\r\n{\"queries\"")
+        s.settimeout(5)
+        assert b" 408 " in s.recv(200).split(b"\r\n")[0] + b" "
+        s.close()
+        # a normal client keeps its connection between requests
+        with httpx.Client() as client:
+            assert client.post(url + "/retrieve", json={"queries": ["capital of Japan"]}).status_code == 200
+            assert client.post(url + "/retrieve", json={"queries": ["capital of Kenya"]}).status_code == 200
+    finally:
+        server.should_exit = True
+        thread.join(10)
