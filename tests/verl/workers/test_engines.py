@@ -286,3 +286,39 @@ def test_hf_engine_dtype_is_a_dtype_and_pushed_weights_take_effect(tiny_model, p
     noisy = {k: v + 0.5 * torch.randn_like(v) for k, v in engine.model.state_dict().items() if v.dim() == 2}
     engine.load_weights((k, v.to(engine.dtype)) for k, v in noisy.items())
     assert [g.token_ids for g in engine.generate(prompts, GREEDY, stop=[])] != before
+
+
+@pytest.mark.e2e
+def test_a_pushed_embedding_reaches_the_tied_output_layer(vllm_engine, tiny_model, prompts):
+    """The tiny model ties lm_head to the input embedding (as SmolLM2 and Qwen2.5 up to 3B do), so a
+    push carries no lm_head weights. After it the engine must sample from the new embedding at the
+    output too: the same greedy tokens as transformers with the pushed weights (vLLM on CPU once kept
+    a kernel packed from the initial output layer)."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+    original = load_file(str(Path(tiny_model) / "model.safetensors"))
+    assert "lm_head.weight" not in original  # tied
+    g = torch.Generator().manual_seed(0)
+    pushed = {k: v + 0.5 * torch.randn(v.shape, generator=g) if "embed_tokens" in k else v
+              for k, v in original.items()}
+    hf = HFEngine(tiny_model)
+    hf.load_weights(pushed.items())
+    try:
+        vllm_engine.load_weights(pushed.items())
+        assert [g.token_ids for g in vllm_engine.generate(prompts, GREEDY, stop=[])] == \
+            [g.token_ids for g in hf.generate(prompts, GREEDY, stop=[])]
+    finally:
+        vllm_engine.load_weights(original.items())
+
+
+def test_only_the_known_harmless_reload_warnings_are_dropped():
+    import logging
+
+    from verl.workers.rollout.engines import _KnownReloadWarnings
+
+    def record(layer):
+        return logging.LogRecord("vllm", logging.WARNING, "", 0, "%s: Failed to load weights", (layer,), None)
+    keep = _KnownReloadWarnings().filter
+    assert not keep(record("RotaryEmbedding")) and not keep(record("ParallelLMHead"))
+    assert keep(record("QKVParallelLinear"))  # a layer that should have loaded: stays in the log

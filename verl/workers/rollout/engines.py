@@ -199,6 +199,23 @@ def _without_flashinfer() -> None:
         os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
 
 
+class _KnownReloadWarnings(logging.Filter):
+    """Drops vLLM's "<layer>: Failed to load weights" after a weight push for the two layers that have
+    nothing to load: the rotary embedding (computed, not learned) and an output layer tied to the
+    input embedding (it shares the embedding's weight; `refresh_tied_output_layer` redoes its
+    processing). Any other layer named there is a real problem and stays in the log."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.msg == "%s: Failed to load weights" and record.args
+                    and record.args[0] in ("RotaryEmbedding", "ParallelLMHead"))
+
+
+def _quiet_known_reload_warnings() -> None:
+    reload_log = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+    if not any(isinstance(f, _KnownReloadWarnings) for f in reload_log.filters):
+        reload_log.addFilter(_KnownReloadWarnings())
+
+
 def _spawn_engine_core() -> None:
     """Make vLLM start its engine-core process by spawning, not forking.
 
@@ -241,6 +258,7 @@ class VLLMEngine:
         if os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1":
             _spawn_engine_core()
         _without_flashinfer()
+        _quiet_known_reload_warnings()  # in this process; a core of its own logs them still
         from vllm import LLM
 
         self.on_cpu = _on_cpu()
@@ -361,6 +379,7 @@ class VLLMEngine:
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named})
         else:  # handles to the tensors' memory cross to the engine's process, not the tensors
             self.llm.collective_rpc("load_shared_weights", args=(shared_weights.pack(list(named)),))
+        self.llm.collective_rpc("refresh_tied_output_layer")  # a tied lm_head gets no weights of its own
         # Cached prefixes hold keys/values computed by the old weights.
         self.llm.reset_prefix_cache()
 

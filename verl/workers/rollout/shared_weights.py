@@ -26,7 +26,27 @@ def pack(named_tensors: list) -> bytes:
 
 class SharedWeightsReceiver:
     """Mixed into vLLM's worker class (`LLM(worker_extension_cls=...)`); reached through
-    `LLM.collective_rpc("load_shared_weights", args=(pack(...),))`."""
+    `LLM.collective_rpc("load_shared_weights", args=(pack(...),))` and
+    `LLM.collective_rpc("refresh_tied_output_layer")`."""
 
     def load_shared_weights(self, payload: bytes) -> None:
         self.reload_weights(weights_iterator=pickle.loads(payload))
+
+    def refresh_tied_output_layer(self) -> bool:
+        """Rebuild the output layer's derived state after a weight push, when it is tied to the input
+        embedding (SmolLM2; Qwen2.5 up to 3B). Such a model has no lm_head weights of its own, so a push
+        carries none, and vLLM's in-place reload skips the layer's post-load processing: the weight
+        it shares with the embedding is new, but on CPU the matrix-multiply kernel prepared from it
+        at load time (a packed copy) is not, and the engine samples from the initial output layer.
+        Redoing the processing rebuilds it (on a GPU it prepares nothing). Returns whether the
+        model ties them."""
+        model = self.model_runner.get_model()
+        if not getattr(getattr(model, "config", None), "tie_word_embeddings", False):
+            return False
+        head = getattr(model, "lm_head", None)
+        method = getattr(head, "quant_method", None)
+        if method is None:
+            raise RuntimeError(f"{type(model).__name__} ties its output layer to its input embedding, but has no "
+                               "lm_head with a quant_method to refresh after a weight push")
+        method.process_weights_after_loading(head)
+        return True
