@@ -379,7 +379,8 @@ class VLLMEngine:
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named})
         else:  # handles to the tensors' memory cross to the engine's process, not the tensors
             self.llm.collective_rpc("load_shared_weights", args=(shared_weights.pack(list(named)),))
-        self.llm.collective_rpc("refresh_tied_output_layer")  # a tied lm_head gets no weights of its own
+        if self.on_cpu:  # only vLLM's CPU kernels keep a packed copy of a tied lm_head (see the receiver)
+            self.llm.collective_rpc("refresh_tied_output_layer")
         # Cached prefixes hold keys/values computed by the old weights.
         self.llm.reset_prefix_cache()
 

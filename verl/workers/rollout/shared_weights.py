@@ -38,8 +38,8 @@ class SharedWeightsReceiver:
         carries none, and vLLM's in-place reload skips the layer's post-load processing: the weight
         it shares with the embedding is new, but on CPU the matrix-multiply kernel prepared from it
         at load time (a packed copy) is not, and the engine samples from the initial output layer.
-        Redoing the processing rebuilds it (on a GPU it prepares nothing). Returns whether the
-        model ties them."""
+        Redoing the processing rebuilds it; on a GPU there is nothing to rebuild (the kernel reads the
+        shared weight), and the engine calls this on CPU only. Returns whether the model ties them."""
         model = self.model_runner.get_model()
         if not getattr(getattr(model, "config", None), "tie_word_embeddings", False):
             return False
