@@ -282,6 +282,28 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, Preset]:
     return a, size
 
 
+class Progress:
+    """Stage lines with the minutes spent so far and, where an earlier run of the same preset into
+    the same `--out` left its stage times (timings.json), the minutes it took from there to the end."""
+
+    def __init__(self, out: Path, preset: str):
+        self.path, self.preset, self.t0, self.marks = out / "timings.json", preset, time.time(), {}
+        earlier = json.loads(self.path.read_text()) if self.path.exists() else {}
+        self.earlier = earlier.get("marks") if earlier.get("preset") == preset else None
+
+    def stage(self, n: int, message: str) -> None:
+        spent = time.time() - self.t0
+        self.marks[str(n)] = spent
+        left = ""
+        if self.earlier and str(n) in self.earlier and "end" in self.earlier:
+            left = f"; the last run here took {(self.earlier['end'] - self.earlier[str(n)]) / 60:.0f} min more"
+        say(f"{n}/7 {message} ({spent / 60:.1f} min so far{left})")
+
+    def finish(self) -> None:
+        self.marks["end"] = time.time() - self.t0
+        self.path.write_text(json.dumps({"preset": self.preset, "marks": self.marks}, indent=1))
+
+
 def check_room(out: Path, size: Preset) -> None:
     """Say up front what the run needs, and warn when this machine has less."""
     import shutil
@@ -326,42 +348,43 @@ def main(argv=None) -> int:
     t0 = time.time()
     server = None
     check_room(out, size)
+    progress = Progress(out, a.preset or ("small" if a.small else "cpu"))
     # Ctrl-C and termination both go through `finally`, which stops the server.
     signal.signal(signal.SIGTERM, _interrupt)
     try:
         from search_r1.data.bundled import bundled_paths
         from search_r1.local_models import materialize_smollm2
-        say("1/7 converting the bundled SmolLM2-135M-Instruct")
+        progress.stage(1, "converting the bundled SmolLM2-135M-Instruct")
         model = Path(materialize_smollm2(out / "smollm2"))
         paths = bundled_paths()
-        say(f"2/7 indexing the bundled corpus ({'BM25' if a.retriever == 'bm25' else 'bundled MiniLM encoder'})")
+        progress.stage(2, f"indexing the bundled corpus ({'BM25' if a.retriever == 'bm25' else 'bundled MiniLM encoder'})")
         retriever_args = build_index(a.retriever, Path(paths["corpus"]), out, log("index"))
         for split in ("train", "test"):
             if not (out / f"{split}.parquet").exists():
                 run([sys.executable, "-m", "search_r1.data.preprocess", "--bundled", "--split", split,
                      "--out", out / f"{split}.parquet"], log(f"data_{split}"))
-        say("3/7 starting the retrieval server")
+        progress.stage(3, "starting the retrieval server")
         server, url = start_server(retriever_args, out / "retrieval_server.log")
         say(f"retrieval server up at {url}")
 
         test = out / "test.parquet"
         stages = []
-        say("4/7 evaluating the bundled model before training")
+        progress.stage(4, "evaluating the bundled model before training")
         stages.append(evaluate(model, test, url, out / "eval_before", size, "before", log("eval_before")))
-        say("5/7 supervised warm start on gold search trajectories (training questions only)")
+        progress.stage(5, "supervised warm start on gold search trajectories (training questions only)")
         sft_model = out / "sft_model"
         run([sys.executable, "-m", "search_r1.cli", "sft", "--model", model, "--out", sft_model,
              "--bundled", size.sft_questions, "--retriever-url", url, "--epochs", size.sft_epochs,
              "--max-obs-length", 256], log("sft"))
         stages.append(evaluate(sft_model, test, url, out / "eval_sft", size, "after SFT", log("eval_sft")))
         limit = f", stopping after {size.grpo_minutes:g} min" if size.grpo_minutes else ""
-        say(f"6/7 GRPO through the trainer entry point: up to {size.grpo_steps} steps of "
-            f"{size.grpo_prompts} prompts × {size.grpo_n} samples each{limit}")
+        progress.stage(6, f"GRPO through the trainer entry point: up to {size.grpo_steps} steps of "
+                       f"{size.grpo_prompts} prompts × {size.grpo_n} samples each{limit}")
         run_dir = out / "run"
         run([sys.executable, "-m", "verl.trainer.main_ppo",
              *grpo_overrides(size, out / "train.parquet", test, sft_model, url, run_dir)], log("grpo"))
         final = run_dir / "hf_actor"
-        say("7/7 evaluating after GRPO and writing the report")
+        progress.stage(7, "evaluating after GRPO and writing the report")
         stages.append(evaluate(final, test, url, out / "eval_grpo", size, "after GRPO", log("eval_grpo")))
         (run_dir / "stages.json").write_text(json.dumps(stages, indent=1))
         for name in ("eval_before", "eval_sft", "eval_grpo"):
@@ -383,6 +406,7 @@ def main(argv=None) -> int:
     print(f"\nreport:     {run_dir / 'report.html'}\ncurve:      {run_dir / 'curve.json'}\n"
           f"checkpoint: {run_dir / 'checkpoints'}\nmodel:      {final}", flush=True)
     print(next_steps(out, retriever_args, final, run_dir), flush=True)
+    progress.finish()
     say(f"done in {(time.time() - t0) / 60:.1f} min. {summary(stages, size, a.preset != 'gpu')}")
     return 0
 

@@ -84,3 +84,20 @@ def test_a_failed_stage_names_its_log_and_shows_its_end(tmp_path, capsys):
     with pytest.raises(SystemExit, match=f"exit 3.*{log}"):
         run([sys.executable, "-c", "print('the cause is here'); raise SystemExit(3)"], log)
     assert "the cause is here" in capsys.readouterr().err
+
+
+def test_progress_says_the_time_spent_and_what_the_last_run_took_from_there(tmp_path, capsys, monkeypatch):
+    from search_r1 import demo
+    clock = iter([0.0, 60.0, 300.0, 600.0,      # a first run: start, stage 1, stage 2, end
+                  1000.0, 1060.0])               # a rerun: start, stage 1
+    monkeypatch.setattr(demo.time, "time", lambda: next(clock))
+    first = demo.Progress(tmp_path, "cpu")
+    first.stage(1, "one")
+    first.stage(2, "two")
+    first.finish()
+    assert "2/7 two (5.0 min so far)" in capsys.readouterr().out
+    demo.Progress(tmp_path, "cpu").stage(1, "one")
+    assert "1/7 one (1.0 min so far; the last run here took 9 min more)" in capsys.readouterr().out
+    monkeypatch.setattr(demo.time, "time", lambda: 0.0)
+    demo.Progress(tmp_path, "gpu").stage(1, "one")  # another preset: no estimate
+    assert "took" not in capsys.readouterr().out
