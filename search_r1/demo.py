@@ -54,7 +54,8 @@ class Preset:
     grpo_minutes: float | None = None  # trainer.time_limit_minutes: may end GRPO before grpo_steps
     val_questions: int = 0        # first test questions validated during GRPO (0: eval_questions)
     test_freq: int = -1           # validate every N steps (and after the last); -1: before training only
-    ram_gb: int = 16              # memory the largest stage (SFT) may take, said up front
+    micro_batch: int = 4          # trajectories per forward/backward in SFT and GRPO
+    ram_gb: int = 16              # memory the largest stage may take, said up front
     disk_gb: int = 4              # what the run writes: model copies, index, checkpoint
 
     @property
@@ -78,7 +79,7 @@ PRESETS = {
     # 128 tokens per turn leave room for reasoning longer than the gold format; on a GPU it is cheap.
     "gpu": Preset(eval_questions=TEST_QUESTIONS, sft_questions=64, sft_epochs=2, grpo_steps=1000,
                   grpo_prompts=32, grpo_n=5, lr=1e-5, response_length=128, grpo_minutes=10,
-                  val_questions=100, test_freq=10),
+                  val_questions=100, test_freq=10, micro_batch=16),
 }
 
 
@@ -190,8 +191,9 @@ def grpo_overrides(size: Preset, train: Path, test: Path, model: Path, url: str,
             f"actor_rollout_ref.actor.ppo_mini_batch_size={trajectories}",
             # the sampling and entropy settings the demo's learning curve was measured with
             "actor_rollout_ref.rollout.top_p=1.0", "actor_rollout_ref.actor.entropy_coeff=0.0",
-            # 16 trajectories of ≤ 2k tokens per backward keep activations small without checkpointing
-            f"actor_rollout_ref.actor.ppo_micro_batch_size={min(16, trajectories)}",
+            # trajectories per backward, without activation checkpointing: their activations are what
+            # the run's memory peaks on (the update's result does not depend on the split)
+            f"actor_rollout_ref.actor.ppo_micro_batch_size={min(size.micro_batch, trajectories)}",
             f"actor_rollout_ref.actor.optim.lr={size.lr}", "actor_rollout_ref.actor.use_kl_loss=true",
             "actor_rollout_ref.model.enable_gradient_checkpointing=false",
             "actor_rollout_ref.rollout.agent_loop=search_r1.agent.loop:SearchAgentLoop",
@@ -375,6 +377,7 @@ def main(argv=None) -> int:
         sft_model = out / "sft_model"
         run([sys.executable, "-m", "search_r1.cli", "sft", "--model", model, "--out", sft_model,
              "--bundled", size.sft_questions, "--retriever-url", url, "--epochs", size.sft_epochs,
+             "--micro-batch-size", min(size.micro_batch, 8),  # 8: sft's own default
              "--max-obs-length", 256], log("sft"))
         stages.append(evaluate(sft_model, test, url, out / "eval_sft", size, "after SFT", log("eval_sft")))
         limit = f", stopping after {size.grpo_minutes:g} min" if size.grpo_minutes else ""
