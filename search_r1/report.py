@@ -152,7 +152,7 @@ def _header(run_dir: Path, config: dict, rows: list[dict]) -> str:
         out.append('<p class="note">metrics.jsonl has no rows yet: the run has not finished a step.</p>')
     else:
         latest = []
-        stages = _stages(run_dir)
+        stages, _ = _stages(run_dir)
         if len(stages) > 1 and all(_is_number(s.get("em")) for s in stages):
             questions = stages[0].get("questions")
             latest.append("EM " + " → ".join(f"{s.get('stage', '?')} {s['em']:.3f}" for s in stages) +
@@ -322,21 +322,23 @@ def _bar_cell(fraction: float, colour: str) -> str:
 
 # -- stages and evaluation tables --------------------------------------------------------------------
 
-def _stages(run_dir: Path) -> list[dict]:
-    """The stages of stages.json (the demo writes it: EM before, after SFT, after GRPO), or []."""
-    data, _ = _read_json(run_dir / "stages.json") if (run_dir / "stages.json").is_file() else (None, None)
+def _stages(run_dir: Path) -> tuple[list[dict], str | None]:
+    """The stages of stages.json (the demo writes it: EM before, after SFT, after GRPO) and the error
+    reading it; ([], None) without the file."""
+    path = run_dir / "stages.json"
+    if not path.is_file():
+        return [], None
+    data, error = _read_json(path)
     if isinstance(data, dict):
         data = data.get("stages")
-    return [s for s in data if isinstance(s, dict)] if isinstance(data, list) else []
+    return ([s for s in data if isinstance(s, dict)] if isinstance(data, list) else []), error
 
 
 def _stages_section(run_dir: Path) -> str:
-    path = run_dir / "stages.json"
-    if not path.is_file():
+    if not (run_dir / "stages.json").is_file():
         return ""
-    _, error = _read_json(path)
     head = "<section><h2>EM after each stage</h2>"
-    stages = _stages(run_dir)
+    stages, error = _stages(run_dir)
     if error or not stages:
         return head + f'<p class="note">{escape(error or "stages.json holds no stages.")}</p></section>\n'
     columns = ["stage", "em"] + [k for k in dict.fromkeys(k for s in stages for k in s) if k not in ("stage", "em")]

@@ -204,10 +204,10 @@ class PolicyWorker:
     # -- training ------------------------------------------------------------------------------
 
     def compute_log_probs(self, batch: RolloutBatch) -> torch.Tensor:
-        return _first(self.actor.compute_logprobs(batch)).cpu()
+        return self.actor.compute_logprobs(batch).cpu()
 
     def compute_ref_log_probs(self, batch: RolloutBatch) -> torch.Tensor:
-        return _first(self.reference.compute_logprobs(batch)).cpu()
+        return self.reference.compute_logprobs(batch).cpu()
 
     def update_actor(self, batch: RolloutBatch) -> dict:
         return self.actor.update(batch, self.sizes.mini_batch_trajectories_per_worker)
@@ -260,7 +260,3 @@ class CriticWorker:
         from verl.trainer.checkpoint import load_checkpoint
         return load_checkpoint(os.path.join(root, "critic"), step,
                                {"critic": (self.critic.model, self.critic.optimizer, self.critic.scheduler)})
-
-
-def _first(x):
-    return x[0] if isinstance(x, tuple) else x

@@ -15,7 +15,8 @@ from torch.distributed.tensor import DTensor
 
 from verl.batch import RolloutBatch
 from verl.trainer.core_algos import LossAgg
-from verl.workers.distributed import comm_device
+from verl.workers.distributed import (accumulation_steps, all_reduce_scalar, comm_device, compute_device,
+                                      world_size)
 
 logger = logging.getLogger(__name__)
 
@@ -169,7 +170,6 @@ class TrainedModel:
     def __init__(self, model: nn.Module, optim, fsdp, *, total_steps: int | None, grad_clip: float | None,
                  micro_batch_size: int, ppo_epochs: int, loss_agg: str, state_masking: bool, seed: int):
         """`optim`: an OptimConfig, `fsdp`: an FSDPConfig (verl.trainer.config)."""
-        from verl.workers.distributed import compute_device
         self.device = compute_device()
         self.model = model
         self.optimizer = build_optimizer(model, optim.lr, optim.weight_decay, tuple(optim.betas))
@@ -196,7 +196,6 @@ class TrainedModel:
         """One training step: `micro_loss(micro, mask_BR) -> (loss, stats)` for every micro-batch,
         gradients accumulated over a mini-batch, one optimizer step per mini-batch. Returns the
         stats averaged over micro-batches, grad_norm averaged over optimizer steps, and lr."""
-        from verl.workers.distributed import accumulation_steps, all_reduce_scalar, world_size
         check_batch_sizes(len(batch), mini_batch_size, self.micro_batch_size, self.role)
         if self.optimizer_offload:
             move_optimizer_state(self.optimizer, self.device)
