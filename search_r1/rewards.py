@@ -42,13 +42,31 @@ _ANSWER = re.compile(r"<answer>((?:(?!</?answer>).)*)</answer>", re.DOTALL)
 _INFORMATION = re.compile(r"<information>(.*?)</information>", re.DOTALL)
 
 
+# The tool-calling protocol writes a search as a <tool_call> block and its passages as a tool
+# message, framed by the chat template's role markers (decoded without special tokens, e.g.
+# "</tool_call>\nuser\n<tool_response>…</tool_response>\nassistant\n"). as_tags reads such a
+# response in the tags' terms, so extraction, the format check and the retrieval hit apply as they are.
+_TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>\s*(?:user|tool|ipython)?\s*(?=<tool_response>)", re.DOTALL)
+_TOOL_RESPONSE = re.compile(r"<tool_response>(.*?)</tool_response>\s*(?:assistant\b)?", re.DOTALL)
+
+
+def as_tags(response: str) -> str:
+    """A tool-protocol response with <tool_call> as <search> and tool messages as <information>;
+    other responses unchanged."""
+    if "<tool_call>" not in response and "<tool_response>" not in response:
+        return response
+    response = _TOOL_CALL.sub(lambda m: f"<search>{m.group(1)}</search>\n", response)
+    response = _TOOL_RESPONSE.sub(lambda m: f"<information>{m.group(1)}</information>\n", response)
+    return response
+
+
 def extract_answer(response: str) -> str | None:
     """The stripped content of the last complete `<answer>…</answer>` in `response`, else None.
 
     Pass the response only (never prompt + response): the prompt's example answer must not count.
     An empty pair gives "" (an answer that is simply wrong), not None.
     """
-    matches = _ANSWER.findall(_INFORMATION.sub(" ", response))
+    matches = _ANSWER.findall(_INFORMATION.sub(" ", as_tags(response)))
     return matches[-1].strip() if matches else None
 
 
@@ -206,8 +224,10 @@ def check_format(response: str) -> FormatResult:
     Only whitespace may sit between blocks. Text inside `<information>` is retrieved text written by
     the environment, so tags inside it are not parsed: a passage that happens to contain "<think>"
     cannot make a trajectory invalid. Decode the response without special tokens (a trailing
-    end-of-turn marker counts as text after </answer>).
+    end-of-turn marker counts as text after </answer>). Tool-protocol responses are read through
+    `as_tags`: a <tool_call> counts as a search and a tool message as its information.
     """
+    response = as_tags(response)
     counts = Counter()
     last = None        # the last closed block
     open_ = None       # the block currently open
@@ -266,7 +286,7 @@ class RewardResult:
 def retrieval_hit(response: str, golds: GroundTruth) -> bool:
     """Whether some `<information>` block of the response contains a gold answer (whole tokens)."""
     gold_norms = [normalize_answer(g) for g in gold_answers(golds)]
-    for block in _INFORMATION.findall(response):
+    for block in _INFORMATION.findall(as_tags(response)):
         block_norm = normalize_answer(block)
         if any(_contains_tokens(block_norm, g) for g in gold_norms):
             return True
@@ -335,7 +355,8 @@ def score_for(data_source: str, response: str, ground_truth: GroundTruth, **kwar
     The fallback warns once per source, so a new data set trains without code changes but a
     misspelt source name does not go unnoticed.
     """
-    fn = REWARD_FNS.get(data_source)
+    # verl's search-tool preprocessing names the sources searchR1_nq, searchR1_hotpotqa, …
+    fn = REWARD_FNS.get(data_source) or REWARD_FNS.get(data_source.removeprefix("searchR1_"))
     if fn is None:
         if data_source not in _warned_sources:
             _warned_sources.add(data_source)

@@ -8,7 +8,7 @@ What makes a trajectory "exact": it is built from ids the way `SearchAgent` buil
 - prompt ids as `verl.utils.dataset.load_examples` makes them (chat template + generation prompt);
 - each model segment (`<think> … </think>` then `<search> … </search>` or `<answer> … </answer>`)
   tokenized on its own and appended, loss 1;
-- each observation made by `SearchAgent._observation_ids` from real retrieval hits (same wrapper,
+- each observation made by `SearchAgent.passage_ids` from real retrieval hits (same wrapper,
   same cut at `max_obs_length`), loss 0: the model is never trained on the passages;
 - EOS after the answer, loss 1. The rollout's engine stops on `</answer>` before any EOS, so this
   token is never sampled in RL; it is here so the SFT model also stops when run without stop strings.
@@ -86,7 +86,7 @@ class _Builder:
         return self.tok.encode(text, add_special_tokens=False)
 
     def observation_ids_from_hits(self, hits: list[dict]) -> list[int]:
-        return self.agent._observation_ids(hits)
+        return self.agent.passage_ids(hits)
 
     def observation_ids_from_text(self, body: str) -> list[int]:
         """The agent's wrapper and cut around already formatted passages."""

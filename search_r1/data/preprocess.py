@@ -8,7 +8,8 @@ Deviation from the original scripts: `extra_info.index` runs over all merged sou
 unique in a file and can serve as the prompt's group id; the original restarted it at 0 for each
 source, which made ids collide when NQ and HotpotQA were trained on together.
 
-The template is one of ours (`--template base|instruct`) or the user's (`--template-file FILE`, a
+The template is one of ours (`--template base|instruct|tool`; `tool` writes verl's search-tool
+rows: a system message and `extra_info.tools_kwargs`, for the tool-calling protocol) or the user's (`--template-file FILE`, a
 format string with the placeholders of `templates.PLACEHOLDERS`), so data can be rebuilt with the
 exact prompt of earlier runs; the trainer feeds the prompt as written.
 
@@ -32,7 +33,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from search_r1.data import bundled
-from search_r1.data.templates import TEMPLATES, fill_template, read_template_file
+from search_r1.data.templates import TEMPLATES, TOOL_SYSTEM, fill_template, read_template_file
 
 log = logging.getLogger(__name__)
 
@@ -127,29 +128,51 @@ def read_qa_file(path: str | os.PathLike) -> list[dict]:
     return records
 
 
+# Rows of the tool protocol, in verl's search-tool layout: a system message, and per row the search
+# tool's creation arguments in extra_info.tools_kwargs (verl's tools read them; ours need none).
+TOOL_SCHEMA = pa.schema([
+    ("data_source", pa.string()),
+    ("prompt", pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))),
+    ("ability", pa.string()),
+    ("reward_model", pa.struct([
+        ("style", pa.string()),
+        ("ground_truth", pa.struct([("target", pa.list_(pa.string()))])),
+    ])),
+    ("extra_info", pa.struct([
+        ("split", pa.string()), ("index", pa.int64()), ("need_tools_kwargs", pa.bool_()), ("question", pa.string()),
+        ("tools_kwargs", pa.struct([("search", pa.struct([("create_kwargs", pa.struct([
+            ("ground_truth", pa.struct([("target", pa.list_(pa.string()))])),
+            ("question", pa.string()), ("data_source", pa.string())]))]))])),
+    ])),
+])
+
+
 def make_row(question: str, answers, data_source: str, split: str, index: int,
-             template_text: str) -> dict:
+             template_text: str, tool: bool = False) -> dict:
     if isinstance(answers, str):  # some files store a single answer as a bare string
         answers = [answers]
-    return {
-        "data_source": data_source,
-        "prompt": [{"role": "user", "content": fill_template(template_text, question)}],
-        "ability": ABILITY,
-        "reward_model": {"style": "rule", "ground_truth": {"target": [str(a) for a in answers]}},
-        "extra_info": {"split": split, "index": index},
-    }
+    ground_truth = {"target": [str(a) for a in answers]}
+    prompt = [{"role": "user", "content": fill_template(template_text, question)}]
+    extra_info = {"split": split, "index": index}
+    if tool:
+        prompt = [{"role": "system", "content": TOOL_SYSTEM}] + prompt
+        extra_info |= {"need_tools_kwargs": True, "question": question, "tools_kwargs": {"search": {"create_kwargs": {
+            "ground_truth": ground_truth, "question": question, "data_source": data_source}}}}
+    return {"data_source": data_source, "prompt": prompt, "ability": ABILITY,
+            "reward_model": {"style": "rule", "ground_truth": ground_truth}, "extra_info": extra_info}
 
 
 def build_rows(sources: list[tuple[str, list[dict]]], split: str,
-               template_text: str = TEMPLATES["instruct"]) -> list[dict]:
+               template_text: str = TEMPLATES["instruct"], tool: bool = False) -> list[dict]:
     """Rows for all sources in order; `extra_info.index` is a running index over all of them.
 
-    `template_text` is a template's text (TEMPLATES or `read_template_file`), not its name."""
+    `template_text` is a template's text (TEMPLATES or `read_template_file`), not its name; `tool`
+    writes verl's search-tool layout (the tool protocol)."""
     rows = []
     for name, records in sources:
         for r in records:
             rows.append(make_row(r["question"], r["golden_answers"], name, split, len(rows),
-                                 template_text))
+                                 template_text, tool))
         log.info("%s/%s: %d rows", name, split, len(records))
     return rows
 
@@ -157,7 +180,8 @@ def build_rows(sources: list[tuple[str, list[dict]]], split: str,
 def write_parquet(rows: list[dict], path: str | os.PathLike) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    pq.write_table(pa.Table.from_pylist(rows, schema=SCHEMA), path)
+    tool = bool(rows) and "tools_kwargs" in rows[0]["extra_info"]
+    pq.write_table(pa.Table.from_pylist(rows, schema=TOOL_SCHEMA if tool else SCHEMA), path)
     return path
 
 
@@ -194,7 +218,8 @@ def main(argv: list[str] | None = None, loader: Loader | None = None) -> Path:
     parser.add_argument("--split", default="train", help="train, dev or test")
     prompt = parser.add_mutually_exclusive_group()
     prompt.add_argument("--template", default="instruct", choices=sorted(TEMPLATES),
-                        help="one of our prompt templates (base: plain text for base models)")
+                        help="one of our prompt templates (base: plain text for base models; tool: the "
+                             "tool-calling protocol, rows in verl's search-tool layout)")
     prompt.add_argument("--template-file", default=None, metavar="FILE",
                         help="your own prompt template, e.g. that of earlier runs: a text file "
                              "with {question} where the question goes (literal braces doubled); "
@@ -215,7 +240,7 @@ def main(argv: list[str] | None = None, loader: Loader | None = None) -> Path:
     if loader is None:
         loader = local_dir_loader(args.local_dir) if args.local_dir else hub_loader
     rows = build_rows(collect_sources(names, args.local, args.bundled, args.split, loader),
-                      args.split, template_text)
+                      args.split, template_text, tool=args.template == "tool")
     path = write_parquet(rows, args.out)
     log.info("wrote %d rows to %s", len(rows), path)
     return path

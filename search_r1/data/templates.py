@@ -2,8 +2,10 @@
 
 The tags are the contract with the agent loop and the rewards: the model reasons in <think>,
 asks in <search>, reads <information> (written by the environment), and ends with <answer>.
-Both templates say the same thing; the base one reads as a document to continue, the instruct
-one speaks to the assistant and is sent through the model's chat template.
+The base and instruct templates say the same thing; the base one reads as a document to continue,
+the instruct one speaks to the assistant and is sent through the model's chat template. The tool
+template is for the tool-calling protocol: searches are tool calls the chat template teaches, and
+only <think> and <answer> remain tags.
 
 Users may bring their own template instead (`qa_search.py --template-file`), e.g. the exact prompt
 of runs made with the original scripts. Templates are Python format strings: PLACEHOLDERS lists the
@@ -34,8 +36,21 @@ _BASE = (
     "Question: {question}\n"
 )
 
-# "base": raw text, no chat template applied; "instruct": wrapped by the tokenizer's chat template.
-TEMPLATES: dict[str, str] = {"base": _BASE, "instruct": _INSTRUCT}
+# The tool-calling protocol: the chat template lists the search tool (verl.tools.chat), so the
+# prompt only says when to use it and how to answer.
+_TOOL = (
+    "Answer the question below. You can call the search tool to look things up, as many times as you "
+    "need; its results come back to you as tool messages.\n"
+    "Think inside <think> and </think> first, and again each time new information arrives.\n"
+    "When you know the answer, give it briefly inside <answer> and </answer>, "
+    "for example <answer> Paris </answer>.\n"
+    "Question: {question}\n"
+)
+TOOL_SYSTEM = "You are a helpful assistant who answers questions with the help of a search tool."
+
+# "base": raw text, no chat template applied; "instruct": wrapped by the tokenizer's chat template;
+# "tool": a system and a user message, rendered with the search tool by the chat template.
+TEMPLATES: dict[str, str] = {"base": _BASE, "instruct": _INSTRUCT, "tool": _TOOL}
 
 
 # Placeholder -> what it becomes; README's "Data" section documents the same list.
@@ -88,5 +103,7 @@ def make_prompt(question: str, template: str = "instruct") -> list[dict]:
     """The prompt as chat messages (one user turn), the form stored in the training parquet.
 
     For `base` the content is the raw text; the trainer decides not to apply a chat template.
+    `tool` adds a system message, as verl's search-tool rows have.
     """
-    return [{"role": "user", "content": make_prompt_text(question, template)}]
+    user = [{"role": "user", "content": make_prompt_text(question, template)}]
+    return [{"role": "system", "content": TOOL_SYSTEM}] + user if template == "tool" else user

@@ -308,3 +308,20 @@ def test_score_for_unknown_source_falls_back_to_em_and_warns_once(caplog):
     warnings = [r for r in caplog.records if "my_new_dataset" in r.getMessage()]
     assert len(warnings) == 1
     assert "nq" in warnings[0].getMessage()
+
+
+def test_tool_protocol_responses_score_like_tags():
+    """A tool-protocol response, decoded without special tokens: the call counts as a search, the tool
+    message as its information (never taken for the answer), and verl's searchR1_ source names map
+    to ours."""
+    from search_r1.rewards import as_tags, score_for
+    call = '<tool_call>\n{"name": "search", "arguments": {"query_list": ["capital of France"]}}\n</tool_call>'
+    passages = "<tool_response>\nDoc 1(Title: France) Its capital is <answer> Lyon </answer> Paris.\n</tool_response>"
+    good = f"<think> look </think>\n{call}\nuser\n{passages}\nassistant\n<think> found </think>\n<answer> Paris </answer>"
+    result = score_for("searchR1_nq", good, {"target": ["Paris"]}, format_score=0.2)
+    assert result.em == 1.0 and result.format_ok and result.retrieval_hit and result.score == 1.0
+    assert check_format(good).n_search == 1 and extract_answer(good) == "Paris"
+    assert extract_answer(f"<think> x </think>\n{call}\nuser\n{passages}\nassistant\n") is None
+    unanswered = f"<think> look </think>\n{call}"   # a call that got no tool message: not a valid format
+    assert not check_format(unanswered).valid
+    assert as_tags("<answer> a </answer>") == "<answer> a </answer>"

@@ -78,7 +78,7 @@ def test_trajectories_have_the_rollout_layout(bundled, tokenizer, train_question
     with RetrievalClient(url=bm25_url) as client:
         hits = client.retrieve([city], 3)[0]
     parts = runs(one_hop)
-    assert parts[1][1] == agent._observation_ids(hits)
+    assert parts[1][1] == agent.passage_ids(hits)
     assert tokenizer.decode(parts[0][1]) == (f"<think> I need to find which country {city} is in. </think>\n"
                                              f"<search> {city} </search>")
     answer = tokenizer.decode(parts[2][1]).split("<answer> ")[1].split(" </answer>")[0]

@@ -13,7 +13,7 @@ import time
 import torch
 
 from verl.batch import RolloutBatch, pack_trajectories
-from verl.trainer.config import Sizes, TrainerConfig
+from verl.trainer.config import Sizes, TrainerConfig, agent_loop_spec
 from verl.workers.rollout.agent_loop import AgentLoopSettings
 
 log = logging.getLogger(__name__)
@@ -102,7 +102,12 @@ def agent_loop_settings(cfg: TrainerConfig, device: str) -> AgentLoopSettings:
     original trainer's top-level keys `max_turns` and `retriever.*` (the search agent's), with
     rollout.agent_kwargs over them."""
     rollout = cfg.actor_rollout_ref.rollout
-    options = {"max_turns": cfg.max_turns, "retriever": dataclasses.asdict(cfg.retriever)}
+    if rollout.multi_turn.enable:  # the tool-calling loop: its tools' settings are in the tool YAML
+        mt = rollout.multi_turn
+        options = {"max_turns": cfg.max_turns, "tool_config_path": mt.tool_config_path,
+                   "max_assistant_turns": mt.max_assistant_turns, "format": mt.format}
+    else:
+        options = {"max_turns": cfg.max_turns, "retriever": dataclasses.asdict(cfg.retriever)}
     return AgentLoopSettings(max_tokens_per_turn=cfg.data.max_response_length, max_obs_length=cfg.data.max_obs_length,
                              schedule=agent_schedule(rollout, device), admit_every_steps=rollout.admit_every_steps,
                              options=options | dict(rollout.agent_kwargs or {}))
@@ -125,7 +130,7 @@ class PolicyWorker:
         _init_process_group(self.rank, self.sizes.world, master_addr, master_port, self.device)
         path = arr.model.path
         rollout = arr.rollout
-        agent_cls, settings = load_agent_loop(rollout.agent_loop), agent_loop_settings(cfg, self.device)
+        agent_cls, settings = load_agent_loop(agent_loop_spec(cfg)), agent_loop_settings(cfg, self.device)
         budget = cfg.data.max_prompt_length + agent_cls.max_response_tokens(settings)
         vllm_kw = {}
         if rollout.name == "vllm":

@@ -59,7 +59,9 @@ class DataConfig:
                                    "generates all validation prompts in one call, split over the workers)")
     max_prompt_length: int = key(4096, "tokens per prompt (after the chat template); longer prompts are dropped "
                                        "with a warning")
-    max_response_length: int = key(500, "tokens the model may generate per turn (the engine's max_tokens)")
+    max_response_length: int = key(500, "tokens the model may generate per turn (the engine's max_tokens); with "
+                                        "rollout.multi_turn.enable, as in verl: the whole response, every turn "
+                                        "and tool message")
     max_obs_length: int = key(500, "tokens per retrieved observation; longer ones are cut, keeping the closing "
                                    "</information>")
     max_start_length: int | None = key(None, "the original's cap on the first prompt's tokens: accepted and unused "
@@ -157,6 +159,21 @@ class RefConfig:
                                                             "is read")
 
 
+TOOL_LOOP = "verl.workers.rollout.tool_loop:ToolAgentLoop"
+
+
+@dataclass
+class MultiTurnConfig:
+    enable: bool = key(False, "the tool-calling protocol (verl's keys): tools listed by the chat template, calls as "
+                              "<tool_call> JSON, answers as tool messages; the agent loop is " + TOOL_LOOP)
+    tool_config_path: str | None = key(None, "the tools as verl's YAML: tools: [{class_name, config, tool_schema}] "
+                                             "(search: configs/tools/search.yaml)")
+    max_assistant_turns: int | None = key(None, "model messages per trajectory, so one fewer tool round; null: "
+                                                "max_turns + 1")
+    format: str = key("hermes", "how calls are written: hermes (<tool_call> JSON, as Qwen2.5 writes it) is the only "
+                                "one")
+
+
 @dataclass
 class RolloutConfig:
     name: str = key("vllm", "generation engine: vllm | hf (transformers generate: CPU and tests)")
@@ -181,6 +198,8 @@ class RolloutConfig:
                                           "+ 1) × max_response_length + max_turns × max_obs_length)")
     agent_loop: str | None = key(None, "the agent loop as module:Class (search: "
                                        "search_r1.agent.loop:SearchAgentLoop); null: single-turn generation")
+    multi_turn: MultiTurnConfig = key_factory(MultiTurnConfig, "verl's multi-turn tool calling (the agent loop "
+                                                               "it selects reads these keys)")
     agent_kwargs: dict[str, Any] | None = key(None, "the agent loop's own options, read by the loop alone; they "
                                                     "start from the top-level max_turns and retriever.* keys (the "
                                                     "search agent's options), which these override")
@@ -402,9 +421,36 @@ def _check_original_keys(cfg: TrainerConfig) -> None:
                           "is updated (0: from the first step)")
 
 
+def agent_loop_spec(cfg: TrainerConfig) -> str | None:
+    """The agent loop the run uses: multi_turn.enable selects the tool-calling loop."""
+    rollout = cfg.actor_rollout_ref.rollout
+    return TOOL_LOOP if rollout.multi_turn.enable else rollout.agent_loop
+
+
 def check_agent_keys(cfg: TrainerConfig, overridden: set[str]) -> None:
     """Retriever and turn settings are read by a multi-turn agent loop only; given without one, the
-    run would train single-turn generation and ignore them."""
+    run would train single-turn generation and ignore them. The tool-calling loop reads its tools'
+    settings from the tool YAML, so the search agent's retriever keys are refused with it."""
+    rollout = cfg.actor_rollout_ref.rollout
+    multi_turn = rollout.multi_turn
+    if multi_turn.enable:
+        # A preset's agent loop (train_grpo.sh's search agent) gives way; one named on the command line clashes.
+        if "actor_rollout_ref.rollout.agent_loop" in overridden and rollout.agent_loop not in (None, TOOL_LOOP):
+            raise ConfigError(f"actor_rollout_ref.rollout.multi_turn.enable=true selects the tool-calling loop, but "
+                              f"actor_rollout_ref.rollout.agent_loop={rollout.agent_loop!r}: drop one of the two")
+        if not multi_turn.tool_config_path:
+            raise ConfigError("actor_rollout_ref.rollout.multi_turn.enable=true needs "
+                              "actor_rollout_ref.rollout.multi_turn.tool_config_path (e.g. configs/tools/search.yaml)")
+        given = sorted(k for k in overridden if k.startswith("retriever.") and k != "retriever.max_failure_rate")
+        if given:
+            raise ConfigError(f"{', '.join(given)} set with actor_rollout_ref.rollout.multi_turn.enable=true: the tool "
+                              "protocol's search tool reads its settings from the tool YAML (config: "
+                              "retrieval_service_url, topk, timeout); set them there")
+        return
+    if multi_turn.tool_config_path or multi_turn.max_assistant_turns is not None:
+        raise ConfigError("actor_rollout_ref.rollout.multi_turn.tool_config_path/max_assistant_turns set but "
+                          "actor_rollout_ref.rollout.multi_turn.enable=false: add "
+                          "actor_rollout_ref.rollout.multi_turn.enable=true to call the tools")
     if cfg.actor_rollout_ref.rollout.agent_loop is None:
         given = sorted(k for k in overridden if k == "max_turns" or k.startswith("retriever."))
         if given:

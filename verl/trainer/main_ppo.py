@@ -24,7 +24,7 @@ def run(raw: DictConfig) -> None:
 
     from verl.single_controller.ray_group import LocalWorkerGroup, WorkerGroup, start_ray
     from verl.single_controller.roles import CriticWorker, PolicyWorker, agent_loop_settings
-    from verl.trainer.config import ConfigError, check_agent_keys, derive_sizes, load_config
+    from verl.trainer.config import ConfigError, agent_loop_spec, check_agent_keys, derive_sizes, load_config
     from verl.trainer.core_algos import AdvEstimator
     from verl.trainer.ppo_trainer import PPOTrainer, load_reward_fn
     from verl.utils.dataset import PromptSampler, load_examples
@@ -41,7 +41,7 @@ def run(raw: DictConfig) -> None:
     run_cfg = cfg.trainer
     device = run_cfg.device if run_cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     # The agent loop's tools (the retriever) answer before any worker is started for them.
-    load_agent_loop(cfg.actor_rollout_ref.rollout.agent_loop).preflight(agent_loop_settings(cfg, device))
+    load_agent_loop(agent_loop_spec(cfg)).preflight(agent_loop_settings(cfg, device))
     AdvEstimator(cfg.algorithm.adv_estimator)  # fails early on an unknown estimator
 
     tokenizer = AutoTokenizer.from_pretrained(cfg.actor_rollout_ref.model.path)
@@ -49,10 +49,11 @@ def run(raw: DictConfig) -> None:
         raise ConfigError(f"actor_rollout_ref.rollout.logit_bias: token ids {unknown} are not in the tokenizer "
                           f"of {cfg.actor_rollout_ref.model.path} ({len(tokenizer)} tokens)")
     data = cfg.data
+    chat = tool_chat_format(cfg, tokenizer)
     train = load_examples(data.train_files, tokenizer, data.max_prompt_length, data.apply_chat_template,
-                          data.train_data_num)
+                          data.train_data_num, chat)
     val = (load_examples(data.val_files, tokenizer, data.max_prompt_length, data.apply_chat_template,
-                         data.val_data_num) if data.val_files else None)
+                         data.val_data_num, chat) if data.val_files else None)
     sampler = PromptSampler(train, data.train_batch_size, data.shuffle_train_dataloader, data.seed)
     total_steps = run_cfg.total_training_steps or sampler.steps_per_epoch * run_cfg.total_epochs
     log.info("%d training prompts, %d steps of %d prompts × %d samples on %d %s workers",
@@ -79,6 +80,23 @@ def run(raw: DictConfig) -> None:
                          n_params)
     trainer.fit()
     policy.get([w.shutdown.remote() for w in policy.workers], "shutdown")
+
+
+def tool_chat_format(cfg, tokenizer):
+    """With the tool protocol, prompts are rendered with the tools of the tool YAML; else None."""
+    multi_turn = cfg.actor_rollout_ref.rollout.multi_turn
+    if not multi_turn.enable:
+        return None
+    from verl.tools.base import read_tool_config, tool_schemas
+    from verl.tools.chat import ChatFormat
+    from verl.trainer.config import ConfigError
+    if not cfg.data.apply_chat_template:
+        raise ConfigError("actor_rollout_ref.rollout.multi_turn.enable=true renders the tools with the chat template: "
+                          "data.apply_chat_template=false cannot go with it")
+    try:
+        return ChatFormat(tokenizer, tool_schemas(read_tool_config(multi_turn.tool_config_path)))
+    except (ValueError, FileNotFoundError) as e:
+        raise ConfigError(f"actor_rollout_ref.rollout.multi_turn: {e}") from None
 
 
 def _count_params(path):

@@ -111,8 +111,15 @@ def messages_text(messages: list[dict], where: str) -> str:
                          f"`content` each ({e!r}).") from e
 
 
-def encode_prompt(prompt: list[dict] | str, tokenizer, use_chat_template: bool, where: str) -> list[int]:
-    """Token ids of a prompt, its text untouched (see the module docstring)."""
+def encode_prompt(prompt: list[dict] | str, tokenizer, use_chat_template: bool, where: str,
+                  chat=None) -> list[int]:
+    """Token ids of a prompt, its text untouched (see the module docstring). `chat`: a
+    verl.tools.chat.ChatFormat, whose template also lists the tools (the tool protocol)."""
+    if chat is not None:
+        if isinstance(prompt, str):
+            raise ValueError(f"{where} gives the prompt as text; the tool protocol needs chat messages, "
+                             "rendered with the tools by the chat template")
+        return chat.prompt_ids(prompt)
     if isinstance(prompt, str):
         if use_chat_template:
             raise ValueError(f"{where} gives the prompt as text (RLinf's layout), which is fed to the "
@@ -137,7 +144,7 @@ def group_ids(indices: list[int | None], files: list[str]) -> list[int]:
 
 
 def load_examples(files, tokenizer, max_prompt_length: int, apply_chat_template: bool = True,
-                  limit: int | None = None) -> list[Example]:
+                  limit: int | None = None, chat=None) -> list[Example]:
     files = [files] if isinstance(files, (str, Path)) else [str(f) for f in files]
     use_chat_template = apply_chat_template and bool(getattr(tokenizer, "chat_template", None))
     if apply_chat_template and not use_chat_template:
@@ -149,7 +156,7 @@ def load_examples(files, tokenizer, max_prompt_length: int, apply_chat_template:
         for i, row in enumerate(read_rows(path)):
             where = f"{path} row {i}"
             prompt, data_source, ground_truth, index = row_fields(row, where)
-            ids = encode_prompt(prompt, tokenizer, use_chat_template, where)
+            ids = encode_prompt(prompt, tokenizer, use_chat_template, where, chat)
             if len(ids) > max_prompt_length:
                 dropped += 1
                 continue

@@ -30,13 +30,35 @@ def local_files(tmp_path):
 
 
 def test_templates_carry_the_tags():
-    for name in TEMPLATES:
+    for name in ("base", "instruct"):
         text = make_prompt_text("Who painted the Mona Lisa", name)
         for tag in ("<think>", "</think>", "<search>", "</search>", "<information>",
                     "</information>", "<answer>", "</answer>"):
             assert tag in text, (name, tag)
         assert text.rstrip().endswith("Question: Who painted the Mona Lisa?")
         assert make_prompt("Who painted the Mona Lisa", name) == [{"role": "user", "content": text}]
+    # the tool protocol: searches are tool calls the chat template teaches; think and answer stay tags
+    system, user = make_prompt("Who painted the Mona Lisa", "tool")
+    assert system["role"] == "system" and user["role"] == "user" and "search tool" in user["content"]
+    assert "<answer>" in user["content"] and "<search>" not in user["content"]
+    assert user["content"].rstrip().endswith("Question: Who painted the Mona Lisa?")
+
+
+def test_tool_template_writes_verls_search_tool_rows(tmp_path):
+    """verl's layout: system + user messages, extra_info with need_tools_kwargs, question and
+    tools_kwargs.search.create_kwargs; the trainer's loader reads the file."""
+    import pyarrow.parquet as pq
+    from search_r1.data import preprocess
+    from verl.utils.dataset import read_rows, row_fields
+    path = preprocess.main(["--bundled", "--split", "test", "--template", "tool", "--out", str(tmp_path / "t.parquet")])
+    row = pq.read_table(path).to_pylist()[0]
+    assert [m["role"] for m in row["prompt"]] == ["system", "user"]
+    info = row["extra_info"]
+    assert info["need_tools_kwargs"] and info["question"] and info["index"] == 0
+    kwargs = info["tools_kwargs"]["search"]["create_kwargs"]
+    assert kwargs["ground_truth"] == row["reward_model"]["ground_truth"] and kwargs["data_source"] == "geo_qa"
+    prompt, source, gt, index = row_fields(read_rows(path)[0], "row 0")
+    assert source == "geo_qa" and gt == row["reward_model"]["ground_truth"] and index == 0
     with pytest.raises(ValueError, match="instruct"):
         make_prompt("q", "chatml")
 

@@ -1,0 +1,85 @@
+"""The search tool of the tool-calling protocol: `search(query_list)` → the retrieved passages.
+
+Configured as verl's search tool is, so its YAML works unchanged (its class name
+`verl.tools.search_tool.SearchTool` resolves to this class):
+
+    tools:
+      - class_name: search_r1.agent.search_tool.SearchTool
+        config: {retrieval_service_url: http://127.0.0.1:8000/retrieve, num_workers: 120,
+                 rate_limit: 120, timeout: 30, topk: 3}
+
+Config keys: `retrieval_service_url` (required), `topk` (3), `timeout` (seconds per call), the
+limits of `verl.tools.base` (`num_workers`, `rate_limit`, `enable_global_rate_limit`), and ours:
+`api_key` (the server's key) and `retries` (attempts after the first; the client backs off).
+
+Where we differ from verl's tool: the model reads the passages as the original Search-R1 formats
+them (`Doc 1(Title: …) text`), not a JSON string with escaped newlines; with several queries each
+block is headed by its query. A search that fails is an error message to the model and counts as a
+failed tool call (`tool_failed`), which the trainer checks against `retriever.max_failure_rate`.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from search_r1.agent.loop import check_retriever, format_passages
+from verl.tools.base import Tool, ToolArgumentError
+
+SCHEMA = {
+    "type": "function",
+    "function": {
+        "name": "search",
+        "description": "Look things up in the knowledge source: returns the most relevant passages for each query.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "query_list": {"type": "array", "items": {"type": "string"},
+                               "description": "One or more search queries, each a complete question or phrase."},
+            },
+            "required": ["query_list"],
+        },
+    },
+}
+
+KEYS = {"retrieval_service_url", "topk", "timeout", "num_workers", "rate_limit", "enable_global_rate_limit",
+        "type", "api_key", "retries"}
+
+
+class SearchTool(Tool):
+    default_schema = SCHEMA
+
+    def __init__(self, config: dict[str, Any], schema: dict[str, Any] | None = None):
+        super().__init__(config, schema)
+        from search_r1.retrieval.client import RetrieverConfig
+        unknown = sorted(set(self.config) - KEYS)
+        if unknown:
+            raise ValueError(f"the search tool has no config key {unknown}; it takes {sorted(KEYS)}")
+        if not self.config.get("retrieval_service_url"):
+            raise ValueError("the search tool's config needs retrieval_service_url "
+                             "(e.g. http://127.0.0.1:8000/retrieve)")
+        self.retriever = RetrieverConfig(url=self.config["retrieval_service_url"],
+                                         topk=int(self.config.get("topk", 3)), timeout_s=self.timeout_s,
+                                         api_key=self.config.get("api_key"),
+                                         retries=int(self.config.get("retries", 2)))
+        self._client = None   # made on the first call, in the event loop the calls run in
+
+    async def call(self, arguments: dict[str, Any]) -> str:
+        queries = arguments.get("query_list")
+        if isinstance(queries, str):
+            queries = [queries]
+        if not isinstance(queries, list) or not queries or not all(isinstance(q, str) and q.strip() for q in queries):
+            raise ToolArgumentError('search takes {"query_list": ["a query", …]}: a non-empty list of '
+                                    f"non-empty strings (got {str(arguments)[:200]})")
+        if self._client is None:
+            from search_r1.retrieval.client import AsyncRetrievalClient
+            self._client = AsyncRetrievalClient(self.retriever)
+        hits = await self._client.retrieve([q.strip() for q in queries], self.retriever.topk)
+        if len(queries) == 1:
+            return format_passages(hits[0])
+        return "\n\n".join(f"Results for {q.strip()!r}:\n{format_passages(h)}" for q, h in zip(queries, hits))
+
+    def check(self) -> None:
+        check_retriever(self.retriever)
+
+    async def aclose(self) -> None:
+        if self._client is not None:
+            await self._client.aclose()
