@@ -105,6 +105,7 @@ class MultiTurnAgent:
 
     stop: list[str] = []              # strings that end a turn besides EOS (kept in the output)
     trajectory_cls: type[Trajectory] = Trajectory
+    context_tokens = 8                # tokens before a turn that parse_turn sees with it
 
     def __init__(self, engine, cfg: TurnConfig, on_event=None):
         self.engine, self.cfg = engine, cfg
@@ -137,7 +138,7 @@ class MultiTurnAgent:
     def _take_turn(self, t: Trajectory, gen: Generation, last_turn: bool):
         # A few tokens of context in front, so an opening tag written just before this turn (e.g.
         # prefilled at the end of the prompt) is seen too. The ids stay as generated.
-        context = (t.prompt_ids + t.response_ids)[-8:]
+        context = (t.prompt_ids + t.response_ids)[-self.context_tokens:]
         t.append(gen.token_ids, model=True)
         self.on_event(t, "model", gen.token_ids)
         t.turns += 1

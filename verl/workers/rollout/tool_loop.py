@@ -86,6 +86,7 @@ class ToolTrajectory(Trajectory):
 class ToolCallingAgent(MultiTurnAgent):
     stop = [CALL_CLOSE]
     trajectory_cls = ToolTrajectory
+    context_tokens = 64   # a call's opening and JSON head may be prefilled in the prompt
 
     def __init__(self, engine, chat: ChatFormat, runner: ToolRunner, cfg: ToolAgentConfig, on_event=None):
         super().__init__(engine, cfg, on_event)
