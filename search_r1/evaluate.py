@@ -70,6 +70,7 @@ class EvalConfig:
     max_response_length: int = 500    # tokens the model may generate per turn
     max_obs_length: int = 500         # tokens per observation
     template: str = "instruct"        # instruct: apply the chat template; base: plain text
+    protocol: str = "tags"            # tags: <search>/<information>; tools: search tool calls (search mode)
     base_model: str | None = None     # config/tokenizer source when exporting a checkpoint
     label: str | None = None          # the model's name in the table
     batch_size: int = 1024            # questions per agent run (progress and memory)
@@ -284,6 +285,12 @@ def build_prompts(cfg: EvalConfig, questions: list[Question], tokenizer) -> tupl
     from search_r1.agent.loop import format_passages
 
     if cfg.mode == Mode.SEARCH:
+        if cfg.protocol == "tools":  # rendered with the search tool, as the tool-calling loop trains them
+            from search_r1.agent.search_tool import search_chat_format
+            from verl.utils.dataset import encode_prompt
+            chat = search_chat_format(tokenizer)
+            return [encode_prompt(q.messages, tokenizer, True, "evaluation prompt", chat) for q in questions], \
+                [[] for _ in questions]
         return [_encode(tokenizer, q.messages, cfg.template) for q in questions], [[] for _ in questions]
     if cfg.mode == Mode.NO_SEARCH:
         texts = [DIRECT_PROMPT.format(question=q.question) for q in questions]
@@ -326,20 +333,27 @@ def generate(cfg: EvalConfig, engine, prompts: list[list[int]]) -> list[dict]:
         schedule = Schedule(cfg.schedule)
         if schedule == Schedule.CONTINUOUS and not engine.continuous:
             schedule = Schedule.SYNC  # only vLLM adds requests to a running batch
-        agent = SearchAgent(engine, HTTPSearcher(RetrieverConfig(url=cfg.retriever_url, topk=cfg.topk)),
-                            AgentConfig(max_turns=cfg.max_turns,
-                                        max_response_tokens=response_budget(cfg.max_turns, cfg.max_response_length,
-                                                                            cfg.max_obs_length),
-                                        max_obs_length=cfg.max_obs_length, topk=cfg.topk, schedule=schedule))
+        retriever = RetrieverConfig(url=cfg.retriever_url, topk=cfg.topk)
+        budget = response_budget(cfg.max_turns, cfg.max_response_length, cfg.max_obs_length)
+        if cfg.protocol == "tools":
+            from search_r1.agent.search_tool import search_tool_agent
+            from verl.workers.rollout.tool_loop import ToolAgentConfig
+            agent = search_tool_agent(engine, retriever, ToolAgentConfig(
+                max_turns=cfg.max_turns, max_response_tokens=budget, max_obs_length=cfg.max_obs_length,
+                schedule=schedule))
+        else:
+            agent = SearchAgent(engine, HTTPSearcher(retriever),
+                                AgentConfig(max_turns=cfg.max_turns, max_response_tokens=budget,
+                                            max_obs_length=cfg.max_obs_length, topk=cfg.topk, schedule=schedule))
     results = []
     for lo in tqdm(range(0, len(prompts), cfg.batch_size), desc=f"eval {cfg.mode}", unit="batch"):
         batch = prompts[lo:lo + cfg.batch_size]
         if agent is not None:
             for t in agent.run(batch, sampling):
-                results.append({"response": decode(t.response_ids), "searches": t.searches, "turns": t.turns,
+                results.append({"response": decode(t.response_ids), "searches": t.tool_calls, "turns": t.turns,
                                 "finish": str(t.finish), "response_tokens": len(t.response_ids),
-                                "model_tokens": sum(t.loss_mask),
-                                "retrieval_failed": t.retrieval_failed})
+                                "model_tokens": sum(t.loss_mask), "retrieval_failed": t.tool_failed,
+                                **({"invalid_actions": t.invalid_actions} if cfg.protocol == "tools" else {})})
             continue
         for g in engine.generate(batch, sampling, [STOP[1]]):  # one turn, up to </answer>
             finish = (Finish.ANSWER if g.stop_reason == STOP[1] else
@@ -347,6 +361,8 @@ def generate(cfg: EvalConfig, engine, prompts: list[list[int]]) -> list[dict]:
             results.append({"response": decode(g.token_ids), "searches": 0, "turns": 1,
                             "finish": str(finish), "response_tokens": len(g.token_ids),
                             "model_tokens": len(g.token_ids)})
+    if agent is not None and cfg.protocol == "tools":
+        agent.runner.close()
     return results
 
 
@@ -358,6 +374,11 @@ def run_eval(cfg: EvalConfig, engine=None) -> dict:
     cfg.mode = Mode(cfg.mode)
     if cfg.template not in ("instruct", "base"):
         raise ValueError(f"--template {cfg.template!r}: use instruct or base")
+    if cfg.protocol not in ("tags", "tools"):
+        raise ValueError(f"--protocol {cfg.protocol!r}: use tags or tools")
+    if cfg.protocol == "tools" and (cfg.template == "base" or cfg.mode != Mode.SEARCH):
+        raise ValueError("--protocol tools renders the search tool with the chat template: it needs --template "
+                         "instruct and --mode search")
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     questions = load_questions(cfg.data, cfg.limit)
@@ -470,6 +491,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--max-obs-length", type=int, default=d.max_obs_length, help="tokens per observation")
     p.add_argument("--template", choices=["instruct", "base"], default=d.template,
                    help="instruct: apply the chat template; base: feed the prompt text as is")
+    p.add_argument("--protocol", choices=["tags", "tools"], default=d.protocol,
+                   help="tags: Search-R1's <search>/<information>; tools: search tool calls through the chat "
+                        "template (data built with qa_search.py --template tool)")
     p.add_argument("--base-model", help="for a checkpoint: the model training started from "
                                         "(default: actor_rollout_ref.model.path of the run's config.yaml)")
     p.add_argument("--label", help="the model's name in the table (default: from --model)")
@@ -506,7 +530,8 @@ def main(args: argparse.Namespace) -> None:
         model=args.model, data=_files(args.data), out=args.out, mode=Mode(args.mode), engine=args.engine,
         retriever_url=args.retriever_url, limit=args.limit, temperature=args.temperature,
         max_turns=args.max_turns, topk=args.topk, max_response_length=args.max_response_length,
-        max_obs_length=args.max_obs_length, template=args.template, base_model=args.base_model,
+        max_obs_length=args.max_obs_length, template=args.template, protocol=args.protocol,
+        base_model=args.base_model,
         label=args.label, batch_size=args.batch_size, schedule=args.schedule, engine_core=args.engine_core,
         gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager, seed=args.seed))
 

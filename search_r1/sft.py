@@ -4,7 +4,9 @@ A small instruct model (the bundled SmolLM2-135M) rarely writes `<search>` or `<
 so RL starts with almost no reward to learn from. A short SFT pass on gold trajectories teaches
 the format first. The original Search-R1 has no SFT stage; this one is ours.
 
-What makes a trajectory "exact": it is built from ids the way `SearchAgent` builds a rollout.
+What makes a trajectory "exact": it is built from ids the way `SearchAgent` builds a rollout (or,
+with `--protocol tools`, the tool-calling loop: search tool calls, tool messages from the chat
+template's own framing, the prompt rendered with the search tool).
 - prompt ids as `verl.utils.dataset.load_examples` makes them (chat template + generation prompt);
 - each model segment (`<think> … </think>` then `<search> … </search>` or `<answer> … </answer>`)
   tokenized on its own and appended, loss 1;
@@ -62,20 +64,35 @@ class Example:
 class _Builder:
     """Turns prompt / model text / hits into ids exactly as the rollout does."""
 
-    def __init__(self, tokenizer, template: str = "instruct", max_obs_length: int = 500):
+    def __init__(self, tokenizer, template: str = "instruct", max_obs_length: int = 500, protocol: str = "tags"):
         if tokenizer.eos_token_id is None:
             raise ValueError("the tokenizer has no eos_token_id: set one so the model can learn to stop")
-        self.tok, self.template = tokenizer, template
+        if protocol not in ("tags", "tools"):
+            raise ValueError(f"protocol {protocol!r}: use tags or tools")
+        self.tok, self.protocol = tokenizer, protocol
+        self.template = "tool" if protocol == "tools" else template
+        self.max_obs_length = max_obs_length
         # loop.py owns the observation format; borrowing its agent keeps the two from drifting.
         self.agent = SearchAgent(engine=SimpleNamespace(tokenizer=tokenizer), searcher=None,
                                  cfg=AgentConfig(max_obs_length=max_obs_length))
+        self.chat = None
+        if protocol == "tools":  # the tool loop's own rendering of prompts and tool messages
+            from search_r1.agent.search_tool import search_chat_format
+            self.chat = search_chat_format(tokenizer)
+
+    def segment(self, thought: str, action: str, content: str) -> str:
+        """A model turn: a thought, then a search (a <search> tag or a search tool call) or the answer."""
+        if action == "search" and self.protocol == "tools":
+            call = json.dumps({"name": "search", "arguments": {"query_list": [content]}})
+            return f"<think> {thought} </think>\n<tool_call>\n{call}\n</tool_call>"
+        return _segment(thought, action, content)
 
     def prompt_ids(self, prompt: list[dict] | str) -> list[int]:
         # The trainer's own function (chat template, or raw text for text prompts and tokenizers
         # without a template), so SFT and RL see the same prompt ids.
         from verl.utils.dataset import encode_prompt
         use_chat_template = isinstance(prompt, list) and bool(getattr(self.tok, "chat_template", None))
-        return encode_prompt(prompt, self.tok, use_chat_template, "SFT prompt")
+        return encode_prompt(prompt, self.tok, use_chat_template, "SFT prompt", self.chat)
 
     def question_prompt_ids(self, question: str) -> list[int]:
         if self.template == "base":
@@ -86,6 +103,9 @@ class _Builder:
         return self.tok.encode(text, add_special_tokens=False)
 
     def observation_ids_from_hits(self, hits: list[dict]) -> list[int]:
+        if self.chat is not None:
+            from search_r1.agent.loop import format_passages
+            return self.chat.tool_message_ids(format_passages(hits), self.max_obs_length)
         return self.agent.passage_ids(hits)
 
     def observation_ids_from_text(self, body: str) -> list[int]:
@@ -148,16 +168,18 @@ def check_train_split(items: list[dict]) -> None:
 
 def make_bundled_trajectories(questions: list[dict], search_fn: SearchFn, tokenizer,
                               template: str = "instruct", topk: int = 3,
-                              max_obs_length: int = 500) -> tuple[list[Example], dict]:
+                              max_obs_length: int = 500, protocol: str = "tags") -> tuple[list[Example], dict]:
     """Gold search trajectories for bundled questions; returns (examples, stats).
 
     search_fn(queries, topk) returns hits in the `/retrieve` layout (e.g. `RetrievalClient.retrieve`
     or `HTTPSearcher.search`). One-hop questions search the city and answer; two-hop questions
     search the city, then "<country> capital" / "<country> currency", then answer. Questions whose
-    evidence is missing from what the model would read are dropped and counted in stats.
+    evidence is missing from what the model would read are dropped and counted in stats. With
+    protocol "tools" the searches are search tool calls and the passages tool messages, exactly as
+    the tool-calling loop writes them.
     """
     check_train_split(questions)
-    b = _Builder(tokenizer, template, max_obs_length)
+    b = _Builder(tokenizer, template, max_obs_length, protocol)
     titles = _bundled_titles()
     dropped: Counter = Counter()
 
@@ -199,8 +221,8 @@ def make_bundled_trajectories(questions: list[dict], search_fn: SearchFn, tokeni
             else:
                 plan, found = (f"I need to find the time zone of {city}.",
                                f"{city} is in the {answer} time zone.")
-            turns = [("model", b.model_ids(_segment(plan, "search", city))), ("observation", obs1_ids),
-                     ("model", b.model_ids(_segment(f"The passage says {found}", "answer", answer)))]
+            turns = [("model", b.model_ids(b.segment(plan, "search", city))), ("observation", obs1_ids),
+                     ("model", b.model_ids(b.segment(f"The passage says {found}", "answer", answer)))]
         else:
             if i not in hop2:
                 continue  # counted above
@@ -213,13 +235,13 @@ def make_bundled_trajectories(questions: list[dict], search_fn: SearchFn, tokeni
             what = kind.rsplit("_", 1)[1]                      # "capital" or "currency"
             article = "the " if what == "currency" else ""
             turns = [
-                ("model", b.model_ids(_segment(f"I need to find which country {city} is in, then its {what}.",
+                ("model", b.model_ids(b.segment(f"I need to find which country {city} is in, then its {what}.",
                                                "search", city))),
                 ("observation", obs1_ids),
-                ("model", b.model_ids(_segment(f"{city} is in {country}. Now I need the {what} of {country}.",
+                ("model", b.model_ids(b.segment(f"{city} is in {country}. Now I need the {what} of {country}.",
                                                "search", f"{country} {what}"))),
                 ("observation", obs2_ids),
-                ("model", b.model_ids(_segment(f"The passage says the {what} of {country} is {article}{answer}.",
+                ("model", b.model_ids(b.segment(f"The passage says the {what} of {country} is {article}{answer}.",
                                                "answer", answer))),
             ]
         examples.append(b.example(b.question_prompt_ids(q["question"]), turns, meta))
@@ -409,7 +431,11 @@ def add_parser(subparsers) -> None:
                    help="the server the RL rollout will use (--bundled)")
     p.add_argument("--topk", type=int, default=3, help="passages per search (--bundled)")
     p.add_argument("--max-obs-length", type=int, default=500, help="tokens per observation, as data.max_obs_length")
-    p.add_argument("--template", choices=["instruct", "base"], default="instruct")
+    p.add_argument("--template", choices=["instruct", "base"], default="instruct",
+                   help="the prompt (--bundled, tags protocol); the tools protocol uses the tool template")
+    p.add_argument("--protocol", choices=["tags", "tools"], default="tags",
+                   help="tags: Search-R1's <search>/<information>; tools: search tool calls and tool messages "
+                        "through the chat template (--bundled)")
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--lr", type=float, default=5e-5)
     p.add_argument("--batch-size", type=int, default=16, help="trajectories per optimizer step")
@@ -440,7 +466,7 @@ def sft_command(args) -> None:
         questions = read_jsonl(bundled_paths()["train"])[:args.bundled]
         with RetrievalClient(url=args.retriever_url) as client:
             data, stats = make_bundled_trajectories(questions, client.retrieve, tokenizer, args.template,
-                                                    args.topk, args.max_obs_length)
+                                                    args.topk, args.max_obs_length, args.protocol)
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "sft_data_stats.json").write_text(json.dumps(stats, indent=1))
         if not data:

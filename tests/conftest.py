@@ -163,3 +163,82 @@ def bundled_bm25_server(tmp_path_factory):
                             "--corpus_path", str(corpus)], tmp_path_factory.mktemp("logs") / "bm25.log")
     yield server
     server.stop()
+
+
+# -- the tool-calling protocol -----------------------------------------------------------------------
+
+TOOL_CALL = '<tool_call>\n{"name": "search", "arguments": {"query_list": ["capital"]}}\n</tool_call>'
+TOOL_ANSWER = "<answer> Paris </answer>"
+
+
+def verl_tool_rows(questions: list[dict], split: str) -> list[dict]:
+    """Rows in the layout of verl's search-R1 preprocessing: a system and a user message, the source
+    prefixed with searchR1_, the tool's creation arguments in extra_info, a metadata column."""
+    rows = []
+    for i, q in enumerate(questions):
+        gt = {"target": q["golden_answers"]}
+        rows.append({
+            "data_source": "searchR1_geo_qa",
+            "prompt": [{"role": "system", "content": "You are a helpful assistant."},
+                       {"role": "user", "content": "Use the search tool, then answer inside <answer> and </answer>. "
+                                                   f"Question: {q['question']}"}],
+            "ability": "fact-reasoning", "reward_model": {"style": "rule", "ground_truth": gt},
+            "extra_info": {"index": i, "need_tools_kwargs": True, "question": q["question"], "split": split,
+                           "tools_kwargs": {"search": {"create_kwargs": {
+                               "ground_truth": gt, "question": q["question"], "data_source": "searchR1_geo_qa"}}}},
+            "metadata": None})
+    return rows
+
+
+@pytest.fixture(scope="session")
+def verl_tool_data(tmp_path_factory) -> Path:
+    """train.parquet (16 bundled training questions) and test.parquet (the first 4 of them) in verl's
+    search-tool layout: the tiny tool caller writes its call for prompts it was fitted on."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from search_r1.data.bundled import bundled_paths, read_jsonl
+    out = tmp_path_factory.mktemp("verl_tool_data")
+    questions = read_jsonl(bundled_paths()["train"])[:16]
+    for split, n in (("train", 16), ("test", 4)):
+        pq.write_table(pa.Table.from_pylist(verl_tool_rows(questions[:n], split)), out / f"{split}.parquet")
+    return out
+
+
+@pytest.fixture(scope="session")
+def tool_caller_model(tiny_model_dir, verl_tool_data, tmp_path_factory) -> Path:
+    """The tiny random Llama fitted (30 Adam steps on verl_tool_data's 16 training prompts, rendered
+    with the search tool) to answer with one search call and, after the tool message, TOOL_ANSWER."""
+    import pyarrow.parquet as pq
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from search_r1.agent.search_tool import search_chat_format
+
+    torch.manual_seed(0)
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    chat = search_chat_format(tok)
+    seqs = []
+    for row in pq.read_table(verl_tool_data / "train.parquet").to_pylist():
+        rest = chat.encode(TOOL_CALL) + chat.tool_message_ids("Doc 1(Title: Paris) Paris is a capital.", 64) \
+            + chat.encode(TOOL_ANSWER) + [tok.eos_token_id]
+        seqs.append((chat.prompt_ids(row["prompt"]), rest))
+    width = max(len(p) + len(r) for p, r in seqs)
+    ids = torch.zeros((len(seqs), width), dtype=torch.long)
+    fitted = torch.zeros_like(ids, dtype=torch.bool)   # positions whose next token is learned
+    for i, (p, r) in enumerate(seqs):
+        ids[i, :len(p) + len(r)] = torch.tensor(p + r)
+        fitted[i, len(p) - 1:len(p) + len(r) - 1] = True
+    targets = ids[:, 1:][fitted[:, :-1]]
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for _ in range(30):
+        hidden = model.model(input_ids=ids).last_hidden_state[:, :-1][fitted[:, :-1]]
+        loss = torch.nn.functional.cross_entropy(model.lm_head(hidden), targets)  # the vocabulary only where learned
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert loss.item() < 0.1, loss.item()
+    out = tmp_path_factory.mktemp("models") / "tool_caller"
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out

@@ -83,3 +83,20 @@ class SearchTool(Tool):
     async def aclose(self) -> None:
         if self._client is not None:
             await self._client.aclose()
+
+
+def search_chat_format(tokenizer):
+    """The chat format that lists the search tool (our schema) in prompts."""
+    from verl.tools.chat import ChatFormat
+    return ChatFormat(tokenizer, [SCHEMA])
+
+
+def search_tool_agent(engine, retriever, cfg, on_event=None):
+    """The tool-calling loop with the search tool over `retriever` (a RetrieverConfig), for
+    evaluation and infer.py; `cfg` is a ToolAgentConfig. Close it with `agent.runner.close()`."""
+    from verl.tools.base import ToolRunner
+    from verl.workers.rollout.tool_loop import ToolCallingAgent
+    tool = SearchTool({"retrieval_service_url": retriever.url, "topk": retriever.topk, "api_key": retriever.api_key,
+                       "timeout": retriever.timeout_s})
+    return ToolCallingAgent(engine, search_chat_format(engine.tokenizer), ToolRunner({tool.name: tool}), cfg,
+                            on_event)

@@ -262,3 +262,31 @@ def test_eval_vllm_continuous_with_its_own_core_matches_sync(tiny_model_dir, tes
     assert [p["response"] for p in continuous] == [p["response"] for p in sync]
     assert json.loads((tmp_path / "enginecore_separate" / "eval_search.json").read_text())["schedule"] == "continuous"
     assert "exited unexpectedly" not in log and "resource_tracker" not in log
+
+
+@pytest.mark.e2e  # fits conftest's tool caller, then a whole evaluation
+def test_eval_tool_protocol_with_the_tool_caller(tool_caller_model, verl_tool_data, bm25_server, tmp_path):
+    """`search-r1 eval --protocol tools`: prompts rendered with the search tool, the tool-calling loop
+    against the real server, searches counted; on both engines (HF's sync loop, vLLM's continuous
+    one) with the same greedy call and tool message."""
+    from conftest import vllm_skip_reason
+    from search_r1.cli import main as cli
+    results = {}
+    for engine in ("hf", "vllm"):
+        if engine == "vllm" and vllm_skip_reason():
+            continue
+        out = tmp_path / engine
+        assert cli(["eval", "--model", str(tool_caller_model), "--data", str(verl_tool_data / "test.parquet"),
+                    "--out", str(out), "--engine", engine, "--protocol", "tools", "--max-turns", "1",
+                    "--max-response-length", "48", "--max-obs-length", "96",
+                    "--retriever_url", bm25_server.url + "/retrieve"]) == 0
+        preds = [json.loads(l) for l in (out / "predictions_search.jsonl").read_text().splitlines()]
+        assert len(preds) == 4 and all(p["searches"] == 1 and not p["retrieval_failed"] for p in preds)
+        assert all("<tool_response>\nDoc 1(Title:" in p["response"] for p in preds)
+        # the tiny model answers well only after the passage it was fitted with: its later text varies
+        results[engine] = [p["response"].split("</tool_response>")[0] for p in preds]
+    if "vllm" in results:
+        assert results["vllm"] == results["hf"]
+    with pytest.raises(ValueError, match="--protocol tools .* --mode search"):
+        run_eval(EvalConfig(model=str(tool_caller_model), data=[str(verl_tool_data / "test.parquet")],
+                            out=str(tmp_path / "rag"), mode="rag", protocol="tools"))

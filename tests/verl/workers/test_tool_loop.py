@@ -299,3 +299,24 @@ def test_tool_yaml_in_verls_layout(tmp_path):
         tool_class("collections.OrderedDict")
     with pytest.raises(ValueError, match="unique"):
         build_tools([ToolSpec(f"{__name__}.EchoTool", {}, None)] * 2)
+
+
+def test_verls_own_search_tool_yaml_loads_as_written(tmp_path):
+    """verl's example file: its class name resolves to our search tool, its schema (with `item:` where
+    JSON schema says `items:`) is rendered as given."""
+    path = tmp_path / "search_tool_config.yaml"
+    path.write_text(
+        "tools:\n"
+        "  - class_name: verl.tools.search_tool.SearchTool\n"
+        "    config:\n"
+        "      retrieval_service_url: http://127.0.0.1:8000/retrieve\n"
+        "      num_workers: 120\n      rate_limit: 120\n      timeout: 30\n      type: native\n"
+        "    tool_schema:\n      type: function\n      function:\n        name: search\n"
+        "        description: Searches for relevant information based on the given query.\n"
+        "        parameters:\n          type: object\n          properties:\n            query_list:\n"
+        "              type: array\n              item:\n                type: string\n"
+        "              description: A list of fully-formed semantic queries.\n"
+        "          required: \n            - query_list\n")
+    (tool,) = build_tools(read_tool_config(path)).values()
+    assert type(tool).__name__ == "SearchTool" and tool.rate_limit == 120 and tool.timeout_s == 30
+    assert tool.schema["function"]["parameters"]["properties"]["query_list"]["item"] == {"type": "string"}
