@@ -89,6 +89,47 @@ def test_trajectories_have_the_rollout_layout(bundled, tokenizer, train_question
     assert "Now I need the capital of" in second and second.endswith(" capital </search>")
 
 
+def test_tool_protocol_trajectories_are_what_the_tool_loop_writes(bm25_url, tokenizer, train_questions):
+    """--protocol tools: the prompt rendered with the search tool, searches as search tool calls, the
+    passages as tool messages from the chat template's framing: the SFT trajectory is the one the
+    tool-calling loop builds when the model writes its turns (checked by replaying them through it)."""
+    import asyncio
+    from search_r1.agent.search_tool import search_chat_format, search_tool_agent
+    from search_r1.retrieval.client import RetrieverConfig
+    from verl.workers.rollout.engines import Generation, SamplingConfig
+    from verl.workers.rollout.tool_loop import ToolAgentConfig
+
+    with RetrievalClient(url=bm25_url) as client:
+        examples, _ = make_bundled_trajectories(train_questions[:8], client.retrieve, tokenizer,
+                                                max_obs_length=200, protocol="tools")
+    chat = search_chat_format(tokenizer)
+    example = next(e for e in examples if e.meta["hops"] == 2)
+    assert example.prompt_ids == chat.prompt_ids(make_prompt(example.meta["question"], "tool"))
+    model_turns = [ids for m, ids in runs(example) if m == 1]
+    first = tokenizer.decode(model_turns[0])
+    assert first.startswith("<think> I need to find which country ") and \
+        '</think>\n<tool_call>\n{"name": "search", "arguments": {"query_list": ["' in first and \
+        first.endswith('"]}}\n</tool_call>')
+    assert tokenizer.decode(model_turns[-1]).endswith(" </answer>" + tokenizer.eos_token)
+
+    class Replay:  # hands back the example's own model turns, as an engine would have written them
+        tokenizer = chat.tokenizer
+        continuous = False
+
+        def __init__(self):
+            self.turns = list(model_turns)
+
+        def generate(self, prompts, sampling, stop):
+            ids = self.turns.pop(0)
+            return [Generation(ids, "stop", "</tool_call>" if tokenizer.decode(ids).endswith("</tool_call>") else None)]
+
+    agent = search_tool_agent(Replay(), RetrieverConfig(url=bm25_url, topk=3),
+                              ToolAgentConfig(max_turns=2, max_response_tokens=4096, max_obs_length=200))
+    (t,) = agent.run([example.prompt_ids], SamplingConfig(temperature=0, max_tokens=512))
+    agent.runner.close()
+    assert (t.response_ids, t.loss_mask) == (example.response_ids, example.loss_mask)
+
+
 def test_questions_without_evidence_are_dropped(tokenizer, train_questions):
     # Stands in for a retriever that misses: every query gets the same unrelated passage.
     def unrelated(queries, topk):
