@@ -5,7 +5,8 @@
     python infer.py                      # interactive: one question per line
 
 Each model turn is printed as soon as it is generated, coloured by tag (think, search,
-information, answer), followed by the passages the retriever returned. Offline it works with a
+information, answer; tool_call and tool_response with --protocol tools), followed by the passages
+the retriever returned. Offline it works with a
 local model directory; without --model it uses the bundled SmolLM2-135M-Instruct.
 """
 from __future__ import annotations
@@ -16,9 +17,9 @@ import re
 import sys
 
 COLOURS = {"think": "\033[2m", "search": "\033[33;1m", "information": "\033[36m",
-           "answer": "\033[32;1m"}
+           "answer": "\033[32;1m", "tool_call": "\033[33;1m", "tool_response": "\033[36m"}
 RESET = "\033[0m"
-TAG = re.compile(r"(</?(?:think|search|information|answer)>)")
+TAG = re.compile(r"(</?(?:think|search|information|answer|tool_call|tool_response)>)")
 
 
 def colourise(text: str, state: list[str], enabled: bool) -> str:
@@ -74,6 +75,9 @@ def build_parser():
     p.add_argument("--device", default=None, help="hf engine: cpu or cuda (default: cuda if present)")
     p.add_argument("--template", choices=["instruct", "base"], default="instruct",
                    help="instruct: the chat template; base: the prompt as plain text")
+    p.add_argument("--protocol", choices=["tags", "tools"], default="tags",
+                   help="tags: Search-R1's <search>/<information>; tools: search tool calls through the chat "
+                        "template (a model trained with --protocol tools)")
     p.add_argument("--max-turns", type=int, default=4, help="searches allowed")
     # All turns together; --max-response-length, its earlier name, still works (the trainer's key of
     # that name counts one turn).
@@ -109,29 +113,39 @@ def main(argv=None) -> int:
         engine = HFEngine(model, device=device, dtype="bfloat16" if device == "cuda" else "float32")
     tok = engine.tokenizer
     colour = sys.stdout.isatty() and not args.no_colour
-    searcher = HTTPSearcher(RetrieverConfig(url=args.retriever_url, topk=args.topk, retries=2))
     state = [""]
 
     def show(trajectory, kind, ids):
         text = tok.decode(ids, skip_special_tokens=True)
         print(colourise(text, state, colour), end="", flush=True)
 
-    agent = SearchAgent(engine, searcher, AgentConfig(max_turns=args.max_turns, topk=args.topk,
-                                                      max_response_tokens=args.max_response_tokens),
-                        on_event=show)
+    retriever = RetrieverConfig(url=args.retriever_url, topk=args.topk, retries=2)
+    if args.protocol == "tools":
+        from search_r1.agent.search_tool import search_tool_agent
+        from verl.workers.rollout.tool_loop import ToolAgentConfig
+        agent = search_tool_agent(engine, retriever, ToolAgentConfig(
+            max_turns=args.max_turns, max_response_tokens=args.max_response_tokens), on_event=show)
+    else:
+        agent = SearchAgent(engine, HTTPSearcher(retriever), AgentConfig(
+            max_turns=args.max_turns, topk=args.topk, max_response_tokens=args.max_response_tokens), on_event=show)
 
-    def ask(question: str):
+    def prompt_ids(question: str) -> list[int]:
+        if args.protocol == "tools":
+            return agent.chat.prompt_ids(make_prompt(question, "tool"))
         if args.template == "instruct" and tok.chat_template:
             prompt = tok.apply_chat_template(make_prompt(question), add_generation_prompt=True, tokenize=False)
         else:
             prompt = make_prompt_text(question, "base")
+        return tok(prompt, add_special_tokens=False).input_ids
+
+    def ask(question: str):
         state[0] = ""
-        (t,) = agent.run([tok(prompt, add_special_tokens=False).input_ids],
+        (t,) = agent.run([prompt_ids(question)],
                          SamplingConfig(temperature=args.temperature, max_tokens=args.max_response_tokens))
         from search_r1.rewards import extract_answer
         answer = extract_answer(tok.decode(t.response_ids, skip_special_tokens=True))
-        print(f"\n\nanswer: {answer!r}   ({t.searches} searches, finished by {t.finish}"
-              f"{', retrieval failed' if t.retrieval_failed else ''})")
+        print(f"\n\nanswer: {answer!r}   ({t.tool_calls} searches, finished by {t.finish}"
+              f"{', retrieval failed' if t.tool_failed else ''})")
 
     if args.question:
         ask(args.question)

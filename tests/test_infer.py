@@ -29,6 +29,12 @@ def test_infer_question_and_interactive(tiny_model_dir, dense_server):
                        timeout=300, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.count("answer:") == 1 and "Ask a question" in r.stdout
+    # the tool-calling protocol: the prompt lists the search tool (the tiny model's template has none,
+    # so ours is used, with its warning)
+    r = subprocess.run(base + ["--protocol", "tools", "What is the capital of Japan?"], capture_output=True,
+                       text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "answer:" in r.stdout and "searches, finished by" in r.stdout and "ChatML tool template" in r.stderr
 
 
 def test_start_hints_name_a_missing_server_and_the_untrained_model(tmp_path, monkeypatch):
