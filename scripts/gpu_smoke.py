@@ -11,6 +11,7 @@ before calling a change to a GPU path done. Parts:
 - eval-separate   `search-r1 eval` with vLLM, engine core in its own process (the default on a GPU)
 - eval-inprocess  the same with the engine core in this process
 - demo            `python -m search_r1.demo --preset gpu --retriever bm25 --grpo-minutes 1`
+- demo-tools      the same with `--protocol tools` (tool calls through the chat template)
 - grpo-0.5b       one GRPO step of a Qwen2.5-0.5B-shaped model through `verl.trainer.main_ppo` (Ray)
 - dense-server    `search-r1 index build` on the GPU and `search-r1 serve` over that dense index,
                   answering concurrent requests
@@ -80,10 +81,16 @@ def parts(out: Path, gpu_count: int, tokenizer: str) -> list[Part]:
     make_encoder_dir(str(enc), tokenizer, dim=384, layers=2)
     # The longest part first: parts start in this order as GPUs come free, and the demo needs the
     # most time of any.
+    def demo_part(protocol: str) -> Part:
+        dest = out / ("demo" if protocol == "tags" else f"demo-{protocol}")
+        return Part(dest.name, 1, [sh(PY, "-m", "search_r1.demo", "--preset", "gpu", "--retriever", "bm25",
+                                      "--grpo-minutes", 1, "--eval-questions", EVAL_QUESTIONS, "--protocol", protocol,
+                                      "--out", dest)],
+                    lambda: expect_file(dest / "run" / "report.html"))
+
     return [
-        Part("demo", 1, [sh(PY, "-m", "search_r1.demo", "--preset", "gpu", "--retriever", "bm25",
-                            "--grpo-minutes", 1, "--eval-questions", EVAL_QUESTIONS, "--out", out / "demo")],
-             lambda: expect_file(out / "demo" / "run" / "report.html")),
+        demo_part("tags"),
+        demo_part("tools"),   # the tool-calling protocol: verl's multi_turn keys, the search tool
         Part("gpu-tests", min(2, gpu_count), [sh(PY, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
                                                  *sorted(str(p) for p in ROOT.glob("tests/**/*_gpu.py")))],
              lambda: expect_no_skips(out / "gpu-tests.log", gpu_count)),
