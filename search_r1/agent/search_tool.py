@@ -10,7 +10,9 @@ Configured as verl's search tool is, so its YAML works unchanged (its class name
 
 Config keys: `retrieval_service_url` (required), `topk` (3), `timeout` (seconds per call), the
 limits of `verl.tools.base` (`num_workers`, `rate_limit`, `enable_global_rate_limit`), and ours:
-`api_key` (the server's key) and `retries` (attempts after the first; the client backs off).
+`api_key` (the server's key), `retries` (attempts after the first; the client backs off) and
+`batch_window_ms` (2: calls of one worker that arrive within it share one request; 0: a request
+per call; benchmarks/RESULTS.md, "Search tool calls").
 
 Where we differ from verl's tool: the model reads the passages as the original Search-R1 formats
 them (`Doc 1(Title: …) text`), not a JSON string with escaped newlines; with several queries each
@@ -19,6 +21,7 @@ failed tool call (`tool_failed`), which the trainer checks against `retriever.ma
 """
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from search_r1.agent.loop import check_retriever, format_passages
@@ -41,7 +44,42 @@ SCHEMA = {
 }
 
 KEYS = {"retrieval_service_url", "topk", "timeout", "num_workers", "rate_limit", "enable_global_rate_limit",
-        "type", "api_key", "retries"}
+        "type", "api_key", "retries", "batch_window_ms"}
+
+
+class _Batcher:
+    """Joins the queries of calls that arrive together into one /retrieve request.
+
+    Each tool call is one trajectory's search; sent one request each, the calls of a rollout step
+    queue at the server one by one. Calls that arrive within `window_s` of the first waiting one go
+    out together (the server answers a batch in about the time of one query), and each call gets
+    its own queries' hits back; a failed request fails every call in it."""
+
+    def __init__(self, client, topk: int, window_s: float):
+        self.client, self.topk, self.window_s = client, topk, window_s
+        self.waiting: list[tuple[list[str], asyncio.Future]] = []
+
+    async def retrieve(self, queries: list[str]) -> list[list[dict]]:
+        future = asyncio.get_running_loop().create_future()
+        self.waiting.append((queries, future))
+        if len(self.waiting) == 1:   # the first of a batch sends it
+            asyncio.get_running_loop().call_later(self.window_s, lambda: asyncio.ensure_future(self._send()))
+        return await future
+
+    async def _send(self):
+        batch, self.waiting = self.waiting, []
+        try:
+            hits = await self.client.retrieve([q for queries, _ in batch for q in queries], self.topk)
+        except Exception as e:
+            for _, future in batch:
+                if not future.done():
+                    future.set_exception(e)
+            return
+        start = 0
+        for queries, future in batch:
+            if not future.done():   # a call cut by its timeout is no longer waiting
+                future.set_result(hits[start:start + len(queries)])
+            start += len(queries)
 
 
 class SearchTool(Tool):
@@ -60,7 +98,9 @@ class SearchTool(Tool):
                                          topk=int(self.config.get("topk", 3)), timeout_s=self.timeout_s,
                                          api_key=self.config.get("api_key"),
                                          retries=int(self.config.get("retries", 2)))
-        self._client = None   # made on the first call, in the event loop the calls run in
+        # seconds a call waits for others to share its request; 0: one request per call
+        self.batch_window_s = float(self.config.get("batch_window_ms", 2)) / 1000
+        self._client = self._batcher = None   # made on the first call, in the event loop the calls run in
 
     async def call(self, arguments: dict[str, Any]) -> str:
         queries = arguments.get("query_list")
@@ -72,7 +112,12 @@ class SearchTool(Tool):
         if self._client is None:
             from search_r1.retrieval.client import AsyncRetrievalClient
             self._client = AsyncRetrievalClient(self.retriever)
-        hits = await self._client.retrieve([q.strip() for q in queries], self.retriever.topk)
+            self._batcher = _Batcher(self._client, self.retriever.topk, self.batch_window_s)
+        queries = [q.strip() for q in queries]
+        if self.batch_window_s > 0:
+            hits = await self._batcher.retrieve(queries)
+        else:
+            hits = await self._client.retrieve(queries, self.retriever.topk)
         if len(queries) == 1:
             return format_passages(hits[0])
         return "\n\n".join(f"Results for {q.strip()!r}:\n{format_passages(h)}" for q, h in zip(queries, hits))
