@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from verl.tools.base import ToolRunner, build_tools, read_tool_config, tool_schemas
