@@ -26,9 +26,6 @@ from verl.workers.rollout.multi_turn import Trajectory as _Trajectory
 
 log = logging.getLogger(__name__)
 
-__all__ = ["STOP", "INVALID_ACTION", "SEARCH_FAILED", "AgentConfig", "Finish", "Schedule", "Trajectory",
-           "SearchAgent", "SearchAgentLoop", "HTTPSearcher", "format_passages", "response_budget"]
-
 STOP = ["</search>", "</answer>"]
 SEARCH_RE = re.compile(r"<search>(.*?)</search>", re.DOTALL)
 INVALID_ACTION = ("\n<information>That was not a valid action. Put a search query between <search> "

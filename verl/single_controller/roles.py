@@ -99,7 +99,8 @@ def explain_out_of_memory(what: str, rollout):
 
 def agent_loop_settings(cfg: TrainerConfig, device: str) -> AgentLoopSettings:
     """The agent loop's settings, for the workers and the driver's preflight. Its options are the
-    original trainer's top-level keys `max_turns` and `retriever.*` (the search agent's), with
+    original trainer's top-level keys `max_turns` and `retriever.*` (the search agent's) or, with
+    rollout.multi_turn.enable, the multi_turn keys (the tool-calling loop's), with
     rollout.agent_kwargs over them."""
     rollout = cfg.actor_rollout_ref.rollout
     if rollout.multi_turn.enable:  # the tool-calling loop: its tools' settings are in the tool YAML

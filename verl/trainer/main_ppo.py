@@ -33,6 +33,9 @@ def run(raw: DictConfig) -> None:
 
     cfg = load_config(raw)
     check_agent_keys(cfg, _overridden_keys())
+    multi_turn = cfg.actor_rollout_ref.rollout.multi_turn
+    if multi_turn.tool_config_path:  # the workers read it too, from whatever directory they start in
+        multi_turn.tool_config_path = os.path.abspath(multi_turn.tool_config_path)
     try:  # a missing or wrong reward function stops the run here, before Ray and the workers start
         load_reward_fn(cfg.reward.function)
     except (ValueError, ImportError, AttributeError) as e:
