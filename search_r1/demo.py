@@ -23,7 +23,8 @@ in verl's search-tool layout, SFT on tool-call trajectories, evaluation and GRPO
 
 Every stage runs as its own process (as a user would run it), so each one's memory is returned
 when it ends; its output goes to `<out>/logs/<stage>.log` (`--verbose`: to the console), and the
-console keeps the demo's own lines. The server is stopped whatever happens, Ctrl-C included. A rerun
+console keeps the demo's own lines; the SFT and GRPO stages add a line a minute with their step and
+the time left in the stage, estimated from their own steps so far. The server is stopped whatever happens, Ctrl-C included. A rerun
 into the same `--out` resumes GRPO from the run's last checkpoint (the trainer's `resume_mode=auto`).
 """
 from __future__ import annotations
@@ -93,24 +94,70 @@ def say(message: str):
           else f"\n[demo {time.strftime('%H:%M:%S')}] {message}", flush=True)
 
 
-def run(cmd: list, log: Path | None):
+class StepWatch:
+    """How far a training stage is, from the metrics file it writes a row to per step: "step k/N,
+    about M min left in this stage". The time per step is measured from the rows' arrival, so the
+    estimate is this machine's, and a time limit caps it."""
+
+    def __init__(self, name: str, rows: Path, total: int, first_step: int = 1, limit_s: float | None = None):
+        self.name, self.rows, self.total, self.first_step, self.limit_s = name, rows, total, first_step, limit_s
+        self.seen: list[float] = []   # when each step's row was first seen
+
+    def __call__(self) -> str | None:
+        try:
+            rows = [json.loads(line) for line in self.rows.read_text().splitlines() if line.strip()]
+        except (OSError, ValueError):   # not written yet, or a row half written
+            return None
+        done = sum(1 for row in rows if row.get("step", 0) >= self.first_step)
+        if planned := [row["steps"] for row in rows if "steps" in row]:   # the stage's own count wins
+            self.total = planned[-1]
+        self.seen += [time.time()] * (done - len(self.seen))
+        if len(self.seen) < 2:
+            return f"{self.name} step {done}/{self.total}" if done else None
+        per_step = (self.seen[-1] - self.seen[0]) / (len(self.seen) - 1)
+        left = (self.total - done) * per_step
+        if self.limit_s is not None:
+            left = min(left, max(0.0, self.limit_s - (time.time() - self.seen[0])))
+        return f"{self.name} step {done}/{self.total}, {per_step:.0f} s a step: about {math.ceil(left / 60)} min left " \
+               "in this stage"
+
+
+def run(cmd: list, log: Path | None, watch: StepWatch | None = None, every_s: float = 60):
     """Run one stage, its output into `log` (None: streaming to ours); stop the demo if it fails,
-    with the end of its log."""
+    with the end of its log. `watch`: a progress line, printed at most every `every_s` seconds."""
     cmd = [str(c) for c in cmd]
     if log is None:
         print("$ " + " ".join(cmd), flush=True)
-        r = subprocess.run(cmd)
+        out = None
     else:
         log.parent.mkdir(parents=True, exist_ok=True)
-        with open(log, "w") as f:
-            f.write("$ " + " ".join(cmd) + "\n")
-            f.flush()
-            r = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT)
-    if r.returncode:
+        out = open(log, "w")
+        out.write("$ " + " ".join(cmd) + "\n")
+        out.flush()
+    proc = None
+    try:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT if out else None)
+        last = time.time()
+        while True:
+            try:
+                proc.wait(timeout=5)
+                break
+            except subprocess.TimeoutExpired:
+                if watch and time.time() - last >= every_s and (line := watch()):
+                    say(line)
+                    last = time.time()
+    except BaseException:   # Ctrl-C or the demo's own termination: the stage goes with it
+        if proc is not None:
+            proc.kill()
+        raise
+    finally:
+        if out:
+            out.close()
+    if proc.returncode:
         if log is not None:
             print("".join(log.read_text(errors="replace").splitlines(keepends=True)[-40:]), file=sys.stderr)
         where = f"; its output is in {log}" if log is not None else ""
-        raise SystemExit(f"demo stage failed (exit {r.returncode}): {' '.join(cmd[:4])} …{where}")
+        raise SystemExit(f"demo stage failed (exit {proc.returncode}): {' '.join(cmd[:4])} …{where}")
 
 
 def free_port() -> int:
@@ -187,6 +234,12 @@ def evaluate(model: Path, data: Path, url: str, out: Path, size: Preset, label: 
     em, n = float(result["macro"]["em"]), int(result["n"])
     say(f"{label}: exact match {em:.3f} on {n} test questions")
     return {"stage": label, "em": em, "questions": n}
+
+
+def sft_steps(size: Preset, batch: int = 16) -> int:
+    """Optimizer steps of the SFT stage (`search-r1 sft`'s batch of 16 trajectories); questions whose
+    evidence is not retrieved are dropped, so this is an upper bound."""
+    return size.sft_epochs * math.ceil(size.sft_questions / batch)
 
 
 def agent_overrides(size: Preset, url: str, tool_config: Path | None) -> list[str]:
@@ -418,7 +471,8 @@ def main(argv=None) -> int:
         run([sys.executable, "-m", "search_r1.cli", "sft", "--model", model, "--out", sft_model,
              "--bundled", size.sft_questions, "--retriever-url", url, "--epochs", size.sft_epochs,
              "--micro-batch-size", min(size.micro_batch, 8),  # 8: sft's own default
-             "--max-obs-length", MAX_OBS, "--protocol", a.protocol], log("sft"))
+             "--max-obs-length", MAX_OBS, "--protocol", a.protocol], log("sft"),
+            StepWatch("SFT", sft_model / "sft_metrics.jsonl", sft_steps(size)))
         stages.append(evaluate(sft_model, test, url, out / "eval_sft", size, "after SFT", log("eval_sft"),
                                a.protocol))
         limit = f", stopping after {size.grpo_minutes:g} min" if size.grpo_minutes else ""
@@ -426,7 +480,9 @@ def main(argv=None) -> int:
                        f"{size.grpo_prompts} prompts × {size.grpo_n} samples each{limit}")
         run_dir = out / "run"
         run([sys.executable, "-m", "verl.trainer.main_ppo",
-             *grpo_overrides(size, data["train"], test, sft_model, url, run_dir, tool_config)], log("grpo"))
+             *grpo_overrides(size, data["train"], test, sft_model, url, run_dir, tool_config)], log("grpo"),
+            StepWatch("GRPO", run_dir / "metrics.jsonl", size.grpo_steps,
+                      limit_s=size.grpo_minutes * 60 if size.grpo_minutes else None))
         final = run_dir / "hf_actor"
         progress.stage(7, "evaluating after GRPO and writing the report")
         stages.append(evaluate(final, test, url, out / "eval_grpo", size, "after GRPO", log("eval_grpo"),

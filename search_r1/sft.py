@@ -401,7 +401,7 @@ def run_sft(model, data: list[Example], out_dir: str | os.PathLike, epochs: int 
                 rows = [used[i] for i in order[lo:lo + batch_size]]
                 m = _train_step(model, rows, optimizer, scheduler, micro_batch_size, pad_id, device,
                                 max_grad_norm)
-                m = {"step": len(losses) + 1, "epoch": epoch, **m}
+                m = {"step": len(losses) + 1, "steps": total_steps, "epoch": epoch, **m}
                 losses.append(m["loss"])
                 metrics_file.write(json.dumps(m) + "\n")
                 metrics_file.flush()

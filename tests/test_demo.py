@@ -127,3 +127,25 @@ def test_progress_says_the_time_spent_and_what_the_last_run_took_from_there(tmp_
     monkeypatch.setattr(demo.time, "time", lambda: 0.0)
     demo.Progress(tmp_path, "gpu").stage(1, "one")  # another preset: no estimate
     assert "took" not in capsys.readouterr().out
+
+
+def test_step_watch_estimates_the_time_left_from_the_rows(tmp_path, monkeypatch):
+    """A stage's progress line: steps from its metrics file, the time per step from when the rows
+    arrived, the stage's own step count when its rows carry one, a time limit capping the estimate."""
+    from search_r1 import demo
+    rows = tmp_path / "metrics.jsonl"
+    clock = [1000.0]
+    monkeypatch.setattr(demo.time, "time", lambda: clock[0])
+    watch = demo.StepWatch("SFT", rows, total=8)
+    assert watch() is None                                    # nothing written yet
+    rows.write_text('{"step": 1, "steps": 6}\n')
+    assert watch() == "SFT step 1/6"
+    clock[0] += 30
+    rows.write_text('{"step": 1, "steps": 6}\n{"step": 2, "steps": 6}\n')
+    assert watch() == "SFT step 2/6, 30 s a step: about 2 min left in this stage"   # 4 steps × 30 s
+    grpo = demo.StepWatch("GRPO", rows, total=1000, limit_s=90)
+    rows.write_text('{"step": 0}\n{"step": 1}\n')
+    grpo()
+    clock[0] += 20
+    rows.write_text('{"step": 0}\n{"step": 1}\n{"step": 2}\n')
+    assert grpo() == "GRPO step 2/1000, 20 s a step: about 2 min left in this stage"  # the 90 s limit, not 998 steps
