@@ -113,7 +113,26 @@ def score_predictions(records: list[dict]) -> dict:
     per_source = {source: {"n": len(rows), **{m: fmean(row[m] for row in rows) for m in METRICS}}
                   for source, rows in by_source.items()}
     macro = {m: fmean(s[m] for s in per_source.values()) for m in METRICS}
-    return {"n": len(records), "per_source": per_source, "macro": macro}
+    # The same means by question kind and hop count, where the records carry them.
+    by_group: dict[str, list[dict]] = defaultdict(list)
+    for r in records:
+        row = {**score_record(r), "searches": r["searches"], "turns": r["turns"],
+               "response_tokens": r["response_tokens"]}
+        for key in ("hops", "type"):
+            if r.get(key) is not None:
+                by_group[f"{key}={r[key]}"].append(row)
+    per_group = {group: {"n": len(rows), **{m: fmean(row[m] for row in rows) for m in METRICS}}
+                 for group, rows in sorted(by_group.items())}
+    return {"n": len(records), "per_source": per_source, "macro": macro,
+            **({"per_group": per_group} if per_group else {})}
+
+
+def group_table(per_group: dict[str, dict]) -> str:
+    """Markdown: EM, F1 and searches per question for each hop count and question kind."""
+    lines = ["| group | n | EM | F1 | searches per question |", "|---|---:|---:|---:|---:|"]
+    for group, m in per_group.items():
+        lines.append(f"| {group} | {m['n']} | {m['em']:.3f} | {m['f1']:.3f} | {m['searches']:.2f} |")
+    return "\n".join(lines) + "\n"
 
 
 def paper_table(rows: list[tuple[str, str, dict[str, float]]]) -> str:
@@ -145,6 +164,8 @@ class Question:
     golds: list[str]
     messages: list[dict]   # the parquet's prompt: the search mode's prompt
     index: int
+    kind: str | None = None   # extra_info.type and .hops, where the data has them (the bundled task)
+    hops: int | None = None
 
 
 def question_text(messages: list[dict]) -> str:
@@ -180,7 +201,8 @@ def load_questions(files: list[str], limit: int | None = None) -> list[Question]
             extra = row.get("extra_info") or {}
             question = extra.get("question") or question_text(row["prompt"])
             questions.append(Question(source, question, gold_answers(row["reward_model"]["ground_truth"]),
-                                      row["prompt"], int(extra.get("index", i))))
+                                      row["prompt"], int(extra.get("index", i)), extra.get("type"),
+                                      extra.get("hops")))
     if not questions:
         raise ValueError(f"no questions in {files}")
     return questions
@@ -405,6 +427,7 @@ def run_eval(cfg: EvalConfig, engine=None) -> dict:
     records = []
     for q, result, ids in zip(questions, results, retrieved):
         records.append({"data_source": q.data_source, "index": q.index, "question": q.question,
+                        "type": q.kind, "hops": q.hops,
                         "golds": q.golds, "prediction": extract_answer(result["response"]), **result,
                         **({"retrieved": ids} if cfg.mode == Mode.RAG else {})})
     scores = score_predictions(records)
@@ -422,6 +445,8 @@ def run_eval(cfg: EvalConfig, engine=None) -> dict:
     method = f"{label} ({cfg.mode})"
     table = paper_table([(method, name, {s: m[key] for s, m in scores["per_source"].items()})
                          for name, key in (("EM", "em"), ("F1", "f1"))])
+    if "per_group" in scores:
+        table += "\n" + group_table(scores["per_group"])
     (out / f"eval_{cfg.mode}.md").write_text(table)
     print(table)
     macro = scores["macro"]

@@ -2,7 +2,9 @@
 
 Each row: `data_source`, `prompt` (one user message: a template filled in for the question),
 `ability`, `reward_model = {"style": "rule", "ground_truth": {"target": [answers]}}` and
-`extra_info = {"split", "index"}`.
+`extra_info = {"split", "index", "type", "hops"}`: the question's kind and its number of hops where
+the source says (the bundled task, local files with those columns), null elsewhere; `search-r1 eval`
+reports by them.
 
 Deviation from the original scripts: `extra_info.index` runs over all merged sources, so it is
 unique in a file and can serve as the prompt's group id; the original restarted it at 0 for each
@@ -50,7 +52,8 @@ SCHEMA = pa.schema([
         ("style", pa.string()),
         ("ground_truth", pa.struct([("target", pa.list_(pa.string()))])),
     ])),
-    ("extra_info", pa.struct([("split", pa.string()), ("index", pa.int64())])),
+    ("extra_info", pa.struct([("split", pa.string()), ("index", pa.int64()), ("type", pa.string()),
+                              ("hops", pa.int64())])),
 ])
 
 # (dataset name, split) -> records with "question" and "golden_answers".
@@ -139,7 +142,8 @@ TOOL_SCHEMA = pa.schema([
         ("ground_truth", pa.struct([("target", pa.list_(pa.string()))])),
     ])),
     ("extra_info", pa.struct([
-        ("split", pa.string()), ("index", pa.int64()), ("need_tools_kwargs", pa.bool_()), ("question", pa.string()),
+        ("split", pa.string()), ("index", pa.int64()), ("type", pa.string()), ("hops", pa.int64()),
+        ("need_tools_kwargs", pa.bool_()), ("question", pa.string()),
         ("tools_kwargs", pa.struct([("search", pa.struct([("create_kwargs", pa.struct([
             ("ground_truth", pa.struct([("target", pa.list_(pa.string()))])),
             ("question", pa.string()), ("data_source", pa.string())]))]))])),
@@ -148,12 +152,13 @@ TOOL_SCHEMA = pa.schema([
 
 
 def make_row(question: str, answers, data_source: str, split: str, index: int,
-             template_text: str, tool: bool = False) -> dict:
+             template_text: str, tool: bool = False, kind: str | None = None, hops: int | None = None) -> dict:
     if isinstance(answers, str):  # some files store a single answer as a bare string
         answers = [answers]
     ground_truth = {"target": [str(a) for a in answers]}
     prompt = [{"role": "user", "content": fill_template(template_text, question)}]
     extra_info = {"split": split, "index": index}
+    extra_info |= {k: v for k, v in (("type", kind), ("hops", hops)) if v is not None}
     if tool:
         prompt = [{"role": "system", "content": TOOL_SYSTEM}] + prompt
         extra_info |= {"need_tools_kwargs": True, "question": question, "tools_kwargs": {"search": {"create_kwargs": {
@@ -172,7 +177,7 @@ def build_rows(sources: list[tuple[str, list[dict]]], split: str,
     for name, records in sources:
         for r in records:
             rows.append(make_row(r["question"], r["golden_answers"], name, split, len(rows),
-                                 template_text, tool))
+                                 template_text, tool, r.get("type"), r.get("hops")))
         log.info("%s/%s: %d rows", name, split, len(records))
     return rows
 

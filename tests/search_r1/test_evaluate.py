@@ -42,6 +42,24 @@ def test_score_predictions_two_sources_and_macro_average():
     assert scores["macro"]["answer_rate"] == pytest.approx((1 + 2 / 3) / 2)
 
 
+def test_scores_by_hops_and_kind_where_the_data_has_them():
+    """Records that carry `hops` and `type` (the bundled task) are also scored by them: EM and
+    searches per question for one- and two-hop questions; records without them add no group."""
+    records = [{**rec("geo", ["India"], "India", searches=1), "hops": 1, "type": "city_country"},
+               {**rec("geo", ["Delhi"], "Mumbai", searches=1), "hops": 2, "type": "city_country_capital"},
+               {**rec("geo", ["Rupee"], "Rupee", searches=2), "hops": 2, "type": "city_country_currency"},
+               rec("nq", ["Paris"], "Paris")]
+    scores = score_predictions(records)
+    groups = scores["per_group"]
+    assert list(groups) == ["hops=1", "hops=2", "type=city_country", "type=city_country_capital",
+                            "type=city_country_currency"]
+    assert groups["hops=2"]["n"] == 2 and groups["hops=2"]["em"] == 0.5 and groups["hops=2"]["searches"] == 1.5
+    assert groups["hops=1"]["em"] == 1.0
+    table = evaluate.group_table(groups)
+    assert "| hops=2 | 2 | 0.500 |" in table and table.count("\n") == 7
+    assert "per_group" not in score_predictions([rec("nq", ["Paris"], "Paris")])
+
+
 def test_score_predictions_edge_cases():
     scores = score_predictions([rec("x", ["yes"], ""), rec("x", ["1"], "1990"), rec("x", ["The"], "the")])
     x = scores["per_source"]["x"]
@@ -98,6 +116,7 @@ def test_load_questions_limit_per_source(test_parquet):
     raw = read_jsonl(bundled_paths()["test"])[:4]
     assert [q.question.rstrip("?") for q in questions] == [r["question"].rstrip("?") for r in raw]
     assert [q.golds for q in questions] == [r["golden_answers"] for r in raw]
+    assert [(q.kind, q.hops) for q in questions] == [(r["type"], r["hops"]) for r in raw]  # for the by-hops scores
     assert len(evaluate.load_questions([test_parquet, test_parquet], limit=6)) == 6  # per source
 
 

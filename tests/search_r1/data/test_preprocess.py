@@ -84,7 +84,7 @@ def test_local_sources_merge_with_global_index(local_files, tmp_path):
         "ability": "fact-reasoning",
         "reward_model": {"style": "rule",
                          "ground_truth": {"target": ["William Shakespeare", "Shakespeare"]}},
-        "extra_info": {"split": "test", "index": 0},
+        "extra_info": {"split": "test", "index": 0, "type": None, "hops": None},  # local files say neither
     }
     assert rows[1]["reward_model"]["ground_truth"]["target"] == ["Lima"]
     assert rows[3]["reward_model"]["ground_truth"]["target"] == ["Mount Everest", "Everest"]
