@@ -143,7 +143,8 @@ def run(cmd: list, log: Path | None, watch: StepWatch | None = None, every_s: fl
                 proc.wait(timeout=5)
                 break
             except subprocess.TimeoutExpired:
-                if watch and time.time() - last >= every_s and (line := watch()):
+                line = watch() if watch else None   # every poll, so steps are timed to the poll
+                if line and time.time() - last >= every_s:
                     say(line)
                     last = time.time()
     except BaseException:   # Ctrl-C or the demo's own termination: the stage goes with it
