@@ -107,20 +107,17 @@ def score_predictions(records: list[dict]) -> dict:
     if not records:
         raise ValueError("no predictions to score: is the test data empty, or --limit 0?")
     by_source: dict[str, list[dict]] = defaultdict(list)
-    for r in records:
-        by_source[r["data_source"]].append({**score_record(r), "searches": r["searches"],
-                                            "turns": r["turns"], "response_tokens": r["response_tokens"]})
-    per_source = {source: {"n": len(rows), **{m: fmean(row[m] for row in rows) for m in METRICS}}
-                  for source, rows in by_source.items()}
-    macro = {m: fmean(s[m] for s in per_source.values()) for m in METRICS}
-    # The same means by question kind and hop count, where the records carry them.
-    by_group: dict[str, list[dict]] = defaultdict(list)
+    by_group: dict[str, list[dict]] = defaultdict(list)   # by question kind and hop count, where recorded
     for r in records:
         row = {**score_record(r), "searches": r["searches"], "turns": r["turns"],
                "response_tokens": r["response_tokens"]}
+        by_source[r["data_source"]].append(row)
         for key in ("hops", "type"):
             if r.get(key) is not None:
                 by_group[f"{key}={r[key]}"].append(row)
+    per_source = {source: {"n": len(rows), **{m: fmean(row[m] for row in rows) for m in METRICS}}
+                  for source, rows in by_source.items()}
+    macro = {m: fmean(s[m] for s in per_source.values()) for m in METRICS}
     per_group = {group: {"n": len(rows), **{m: fmean(row[m] for row in rows) for m in METRICS}}
                  for group, rows in sorted(by_group.items())}
     return {"n": len(records), "per_source": per_source, "macro": macro,

@@ -44,17 +44,21 @@ FLASHRAG_SOURCES = ["nq", "triviaqa", "popqa", "hotpotqa", "2wikimultihopqa", "m
                     "bamboogle"]
 ABILITY = "fact-reasoning"
 
-SCHEMA = pa.schema([
-    ("data_source", pa.string()),
-    ("prompt", pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))),
-    ("ability", pa.string()),
-    ("reward_model", pa.struct([
-        ("style", pa.string()),
-        ("ground_truth", pa.struct([("target", pa.list_(pa.string()))])),
-    ])),
-    ("extra_info", pa.struct([("split", pa.string()), ("index", pa.int64()), ("type", pa.string()),
-                              ("hops", pa.int64())])),
-])
+_ANSWERS = pa.struct([("target", pa.list_(pa.string()))])
+_EXTRA_INFO = [("split", pa.string()), ("index", pa.int64()), ("type", pa.string()), ("hops", pa.int64())]
+
+
+def _schema(extra_info: list) -> pa.Schema:
+    return pa.schema([
+        ("data_source", pa.string()),
+        ("prompt", pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))),
+        ("ability", pa.string()),
+        ("reward_model", pa.struct([("style", pa.string()), ("ground_truth", _ANSWERS)])),
+        ("extra_info", pa.struct(extra_info)),
+    ])
+
+
+SCHEMA = _schema(_EXTRA_INFO)
 
 # (dataset name, split) -> records with "question" and "golden_answers".
 Loader = Callable[[str, str], list[dict]]
@@ -133,21 +137,10 @@ def read_qa_file(path: str | os.PathLike) -> list[dict]:
 
 # Rows of the tool protocol, in verl's search-tool layout: a system message, and per row the search
 # tool's creation arguments in extra_info.tools_kwargs (verl's tools read them; ours need none).
-TOOL_SCHEMA = pa.schema([
-    ("data_source", pa.string()),
-    ("prompt", pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))),
-    ("ability", pa.string()),
-    ("reward_model", pa.struct([
-        ("style", pa.string()),
-        ("ground_truth", pa.struct([("target", pa.list_(pa.string()))])),
-    ])),
-    ("extra_info", pa.struct([
-        ("split", pa.string()), ("index", pa.int64()), ("type", pa.string()), ("hops", pa.int64()),
-        ("need_tools_kwargs", pa.bool_()), ("question", pa.string()),
-        ("tools_kwargs", pa.struct([("search", pa.struct([("create_kwargs", pa.struct([
-            ("ground_truth", pa.struct([("target", pa.list_(pa.string()))])),
-            ("question", pa.string()), ("data_source", pa.string())]))]))])),
-    ])),
+TOOL_SCHEMA = _schema(_EXTRA_INFO + [
+    ("need_tools_kwargs", pa.bool_()), ("question", pa.string()),
+    ("tools_kwargs", pa.struct([("search", pa.struct([("create_kwargs", pa.struct([
+        ("ground_truth", _ANSWERS), ("question", pa.string()), ("data_source", pa.string())]))]))])),
 ])
 
 
