@@ -294,8 +294,9 @@ def retrieval_hit(response: str, golds: GroundTruth) -> bool:
 
 
 def compute_score(response: str, ground_truth: GroundTruth, *, format_score: float = 0.0,
-                  structure_bonus: float = 0.0, retrieval_score: float = 0.0) -> RewardResult:
-    """Exact-match outcome reward with optional format, structure and retrieval terms.
+                  structure_bonus: float = 0.0, retrieval_score: float = 0.0,
+                  search_cost: float = 0.0) -> RewardResult:
+    """Exact-match outcome reward with optional format, structure, retrieval and search-cost terms.
 
     With valid = check_format(response).valid and em in {0, 1}:
 
@@ -306,6 +307,8 @@ def compute_score(response: str, ground_truth: GroundTruth, *, format_score: flo
     - wrong+invalid but with a complete <answer> block -> `structure_bonus` instead of 0;
     - a gold answer appears in some <information> block (the search found it but the model
       did not use it) -> `retrieval_score` is added.
+    Then `search_cost` is subtracted once per search the response made (per <information> block,
+    i.e. per search the environment answered), so a policy can trade searches for accuracy.
     The defaults (all 0) give plain EM, the paper's reward.
     """
     if not 0.0 <= format_score <= 1.0 or not 0.0 <= retrieval_score <= 1.0:
@@ -319,6 +322,8 @@ def compute_score(response: str, ground_truth: GroundTruth, *, format_score: flo
         raise ValueError(f"format_score + retrieval_score = {format_score + retrieval_score} "
                          f"must be below 1, so that a wrong answer always scores below a "
                          f"correct one")
+    if search_cost < 0.0:
+        raise ValueError(f"search_cost = {search_cost} must be >= 0: it is what one search costs")
 
     golds = gold_answers(ground_truth)
     answer = extract_answer(response)
@@ -332,6 +337,8 @@ def compute_score(response: str, ground_truth: GroundTruth, *, format_score: flo
             score = structure_bonus
         if hit:
             score += retrieval_score
+    if search_cost:
+        score -= search_cost * len(_INFORMATION.findall(as_tags(response)))
     return RewardResult(score=score, em=em, f1=token_f1(answer, golds),
                         substring=substring_match(answer, golds), format_ok=valid,
                         answer=answer, retrieval_hit=hit)

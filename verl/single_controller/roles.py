@@ -232,6 +232,9 @@ class PolicyWorker:
         self.sync_weights()
         return state
 
+    def set_lr_scale(self, scale: float) -> None:
+        self.actor.set_lr_scale(scale)
+
 
 class CriticWorker:
     def __init__(self, rank: int, cfg: TrainerConfig, sizes: Sizes, total_steps: int, device: str):
@@ -266,3 +269,6 @@ class CriticWorker:
         from verl.trainer.checkpoint import load_checkpoint
         return load_checkpoint(os.path.join(root, "critic"), step,
                                {"critic": (self.critic.model, self.critic.optimizer, self.critic.scheduler)})
+
+    def set_lr_scale(self, scale: float) -> None:
+        self.critic.set_lr_scale(scale)

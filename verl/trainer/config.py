@@ -295,6 +295,32 @@ class RewardConfig:
     function: str | None = key(None, "the outcome reward as module:function(data_source, response_text, "
                                      "ground_truth) -> float or an object with .score, e.g. "
                                      "search_r1.rewards:score_for; null stops the run at start-up")
+    # The terms of search_r1.rewards.compute_score. Only those set (not 0) are passed to the function
+    # as keyword arguments, so a function of the three arguments alone keeps working without them.
+    format_score: float = key(0.0, "reward of a wrong answer in the valid think/search/answer format (a right "
+                                   "answer in an invalid format gets 1 - format_score), in [0, 1); the "
+                                   "original's reward_model.structure_format_score")
+    final_format_score: float = key(0.0, "reward of a wrong answer in an invalid format that still has an answer "
+                                         "block, at most format_score; the original's reward_model.final_format_score")
+    retrieval_score: float = key(0.0, "added to a wrong answer when a retrieved passage held a gold answer; the "
+                                      "original's reward_model.retrieval_score")
+    search_cost: float = key(0.0, "subtracted from the reward once per search the trajectory made, >= 0")
+
+    def kwargs(self) -> dict[str, float]:
+        """The terms set, as the reward function's keyword arguments (compute_score's names)."""
+        terms = {"format_score": self.format_score, "structure_bonus": self.final_format_score,
+                 "retrieval_score": self.retrieval_score, "search_cost": self.search_cost}
+        return {k: v for k, v in terms.items() if v}
+
+
+@dataclass
+class RewardModelConfig:
+    """The original's reward_model section: its model-based reward is not offered (reward.function
+    is the outcome reward); its format terms are read into reward.*."""
+    enable: bool = key(False, "only false is accepted: the outcome reward is reward.function")
+    structure_format_score: float = key(0.0, "the original's name of reward.format_score")
+    final_format_score: float = key(0.0, "the original's name of reward.final_format_score")
+    retrieval_score: float = key(0.0, "the original's name of reward.retrieval_score")
 
 
 @dataclass
@@ -319,6 +345,27 @@ class RerankerConfig:
     url: str | None = key(None, "the original's re-ranking service: accepted and unused")
     topk: int = key(3, "the original's passages kept after re-ranking: accepted and unused (retriever.topk "
                        "sets passages per search)")
+
+
+@dataclass
+class HealthConfig:
+    """Signs that a run is collapsing, watched every step, and what to do when one shows. A loss or
+    gradient norm that is not finite always counts; the others are watched when their key is set."""
+    action: str = key("warn", "when a sign shows: warn (log it, count it in health/alarms, train on; a non-finite "
+                              "loss stops the run) | stop | rollback (to the newest checkpoint saved while healthy, "
+                              "with the learning rate times lr_factor and a fresh sampling seed)")
+    entropy_spike: float | None = key(3.0, "sign: the policy's entropy above this multiple of its median over the "
+                                           "previous `window` steps; null: not watched")
+    max_kl: float | None = key(None, "sign: the KL to the reference (actor kl_loss or kl/reward_kl) above this; "
+                                     "null: not watched")
+    val_drop: float | None = key(0.2, "sign: validation reward/em below its best so far by more than this; null: "
+                                      "not watched")
+    no_action_rise: float | None = key(0.5, "sign: the share of trajectories that neither searched nor answered "
+                                            "above its lowest over the previous `window` steps by more than "
+                                            "this; null: not watched")
+    window: int = key(10, "steps of history the spike and rise signs compare with (at least 3 needed)")
+    max_rollbacks: int = key(3, "rollbacks allowed in a run; one more sign after them stops it")
+    lr_factor: float = key(0.5, "rollback: the learning rate is multiplied by this, in (0, 1]")
 
 
 @dataclass
@@ -355,6 +402,7 @@ class RunConfig:
     ray_address: str | None = key(None, "null: start a local Ray; auto or host:port: join a running cluster")
     single_process: bool = key(False, "one worker inside the driver, no Ray (one GPU or CPU)")
     seed: int = key(1, "seed of torch and of the rollout engines' sampling (plus the worker's rank)")
+    health: HealthConfig = key_factory(HealthConfig, "collapse signs watched every step and the response to them")
 
 
 @dataclass
@@ -365,6 +413,7 @@ class TrainerConfig:
     critic: CriticConfig = key_factory(CriticConfig, "the value model, trained only with algorithm.adv_estimator=gae")
     algorithm: AlgorithmConfig = key_factory(AlgorithmConfig, "advantage estimator and the KL in the reward")
     reward: RewardConfig = key_factory(RewardConfig, "the outcome reward of a trajectory")
+    reward_model: RewardModelConfig = key_factory(RewardModelConfig, "the original's reward keys: read into reward.*")
     max_turns: int = key(1, "agent loop: searches allowed per trajectory (then one more turn to answer); read by "
                             "multi-turn agent loops only")
     retriever: RetrieverConfig = key_factory(RetrieverConfig, "the retrieval server the search agent calls")
@@ -416,9 +465,43 @@ def _check_original_keys(cfg: TrainerConfig) -> None:
     if not 0.0 <= cfg.retriever.max_failure_rate <= 1.0:
         raise ConfigError(f"retriever.max_failure_rate={cfg.retriever.max_failure_rate}: give the share of "
                           "searching trajectories whose search may fail before the run stops, in [0, 1]")
+    _read_original_reward_keys(cfg)
+    health = cfg.trainer.health
+    if health.action not in ("warn", "stop", "rollback"):
+        raise ConfigError(f"trainer.health.action={health.action!r}: use warn, stop or rollback")
+    if health.action == "rollback" and cfg.trainer.save_freq <= 0:
+        raise ConfigError("trainer.health.action=rollback rolls back to a checkpoint: set trainer.save_freq > 0 "
+                          "(steps between checkpoints)")
+    if not 0.0 < health.lr_factor <= 1.0 or health.window < 3 or health.max_rollbacks < 0:
+        raise ConfigError(f"trainer.health: lr_factor={health.lr_factor} must lie in (0, 1], window="
+                          f"{health.window} be at least 3 and max_rollbacks={health.max_rollbacks} at least 0")
     if cfg.trainer.critic_warmup < 0:
         raise ConfigError(f"trainer.critic_warmup={cfg.trainer.critic_warmup}: give the step from which the actor "
                           "is updated (0: from the first step)")
+
+
+def _read_original_reward_keys(cfg: TrainerConfig) -> None:
+    """reward_model.* (the original's names) into reward.*, and the reward terms' ranges."""
+    if cfg.reward_model.enable:
+        raise ConfigError("reward_model.enable=true: a model-based reward is not offered; the outcome reward is "
+                          "reward.function (e.g. search_r1.rewards:score_for) with reward.format_score, "
+                          "reward.final_format_score, reward.retrieval_score and reward.search_cost")
+    r, original = cfg.reward, cfg.reward_model
+    for ours, theirs in (("format_score", "structure_format_score"), ("final_format_score", "final_format_score"),
+                         ("retrieval_score", "retrieval_score")):
+        mine, given = getattr(r, ours), getattr(original, theirs)
+        if given and mine and given != mine:
+            raise ConfigError(f"reward.{ours}={mine} and reward_model.{theirs}={given} set the same term: give one")
+        setattr(r, ours, mine or given)
+    if not (0.0 <= r.format_score < 1.0 and 0.0 <= r.retrieval_score < 1.0
+            and r.format_score + r.retrieval_score < 1.0):
+        raise ConfigError(f"reward.format_score={r.format_score}, reward.retrieval_score={r.retrieval_score}: each "
+                          "in [0, 1) and their sum below 1, so that a wrong answer scores below a right one")
+    if not 0.0 <= r.final_format_score <= r.format_score:
+        raise ConfigError(f"reward.final_format_score={r.final_format_score}: in [0, reward.format_score="
+                          f"{r.format_score}], so that a valid format never pays less than an invalid one")
+    if r.search_cost < 0:
+        raise ConfigError(f"reward.search_cost={r.search_cost}: what one search costs, >= 0")
 
 
 def agent_loop_spec(cfg: TrainerConfig) -> str | None:

@@ -5,6 +5,7 @@ reference per GPU; critic when the estimator needs values), loads the data and r
 """
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import sys
@@ -37,9 +38,13 @@ def run(raw: DictConfig) -> None:
     if multi_turn.tool_config_path:  # the workers read it too, from whatever directory they start in
         multi_turn.tool_config_path = os.path.abspath(multi_turn.tool_config_path)
     try:  # a missing or wrong reward function stops the run here, before Ray and the workers start
-        load_reward_fn(cfg.reward.function)
+        reward_fn = load_reward_fn(cfg.reward.function)
+        inspect.signature(reward_fn).bind("data_source", "response", "ground_truth", **cfg.reward.kwargs())
     except (ValueError, ImportError, AttributeError) as e:
         raise ConfigError(f"reward.function={cfg.reward.function!r}: {e}") from None
+    except TypeError as e:
+        raise ConfigError(f"reward.function={cfg.reward.function!r} does not take the reward terms set "
+                          f"({', '.join(cfg.reward.kwargs())}): {e}") from None
     sizes = derive_sizes(cfg)
     run_cfg = cfg.trainer
     device = run_cfg.device if run_cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")

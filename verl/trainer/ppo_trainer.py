@@ -11,7 +11,6 @@ from __future__ import annotations
 import importlib
 import json
 import logging
-import math
 import os
 import time
 from collections import defaultdict
@@ -23,6 +22,7 @@ import torch
 from verl.batch import RolloutBatch
 from verl.trainer import core_algos
 from verl.trainer.config import Sizes, TrainerConfig
+from verl.trainer.health import NO_ACTION, HealthWatch, Unhealthy, non_finite_metrics
 from verl.utils.dataset import Example, PromptSampler
 
 log = logging.getLogger(__name__)
@@ -64,6 +64,7 @@ class PPOTrainer:
         self.tokenizer, self.sampler, self.val_examples = tokenizer, sampler, val_examples
         self.tracker, self.total_steps = tracker, total_steps
         self.reward_fn = load_reward_fn(cfg.reward.function)
+        self.reward_kwargs = cfg.reward.kwargs()
         self.estimator = core_algos.AdvEstimator(cfg.algorithm.adv_estimator)
         kl = cfg.algorithm.kl_ctrl
         self.kl_ctrl = (core_algos.AdaptiveKLController(kl.kl_coef, kl.target_kl, kl.horizon)
@@ -73,6 +74,8 @@ class PPOTrainer:
         self.n_params = n_params
         self.out_dir = cfg.trainer.default_local_dir
         self.step = 0
+        self.health = HealthWatch(cfg.trainer.health)
+        self.lr_scale = 1.0   # trainer.health.lr_factor per rollback
 
     # -- the step ------------------------------------------------------------------------------
 
@@ -119,7 +122,8 @@ class PPOTrainer:
         r = self.cfg.actor_rollout_ref.rollout
         temperature, top_p = (0.0, 1.0) if greedy else (r.temperature, r.top_p)
         # One seed per step and worker, from trainer.seed: a resumed step samples what it would have.
-        seed = (self.cfg.trainer.seed * 1_000_003 + (self.step + 1) * 10_007) % 2**31
+        # A rollback gives the steps after it fresh seeds.
+        seed = (self.cfg.trainer.seed * 1_000_003 + (self.step + 1) * 10_007 + self.health.rollbacks * 7_919) % 2**31
         refs = [w.generate.remote([e.prompt_ids for e in rows[i * per:(i + 1) * per]],
                                   [e.index for e in rows[i * per:(i + 1) * per]],
                                   temperature, top_p, self.cfg.data.max_response_length, (seed + 100_003 * i) % 2**31)
@@ -134,7 +138,7 @@ class PPOTrainer:
         texts = self.tokenizer.batch_decode(batch.info["response_ids"], skip_special_tokens=True)
         batch.info["response_text"] = texts
         for text, source, gt in zip(texts, batch.info["data_source"], batch.info["ground_truth"]):
-            result = self.reward_fn(source, text, gt)
+            result = self.reward_fn(source, text, gt, **self.reward_kwargs)
             score = float(getattr(result, "score", result))
             rewards.append(score)
             em.append(float(getattr(result, "em", score)))
@@ -149,6 +153,12 @@ class PPOTrainer:
             metrics[f"agent/{name}"] = float(np.mean([s.metrics[name] for s in stats if name in s.metrics]))
         for reason in {s.finish for s in stats}:
             metrics[f"agent/finish_{reason}"] = float(np.mean([s.finish == reason for s in stats]))
+        metrics[NO_ACTION] = float(np.mean([s.tool_calls == 0 and s.finish != "answer" for s in stats]))
+        # Groups whose rewards are all equal give GRPO no signal (their advantages are 0).
+        groups = defaultdict(set)
+        for gid, r in zip(batch.group_ids_B.tolist(), rewards):
+            groups[gid].add(r)
+        metrics["reward/flat_groups"] = float(np.mean([len(v) == 1 for v in groups.values()]))
         for source, values in by_source.items():
             metrics[f"reward/em/{source}"] = float(np.mean(values))
         batch.info["reward"] = rewards
@@ -246,7 +256,8 @@ class PPOTrainer:
     def save(self):
         from verl.trainer.checkpoint import export_hf
         root = os.path.join(self.out_dir, "checkpoints")
-        state = {"step": self.step, "sampler": self.sampler.state(), "kl_coef": float(self.kl_ctrl.value)}
+        state = {"step": self.step, "sampler": self.sampler.state(), "kl_coef": float(self.kl_ctrl.value),
+                 "health": self.health.state(), "lr_scale": self.lr_scale}
         keep = self.cfg.trainer.keep_last_checkpoints
         if self.critic is not None:  # the critic first: the actor's `latest` marks a complete step
             self.critic.get([w.save.remote(root, self.step, state, keep) for w in self.critic.workers], "save",
@@ -283,6 +294,9 @@ class PPOTrainer:
             self.sampler.restore(state["sampler"])
             self.trim_data_order()
             self.kl_ctrl.value = state.get("kl_coef", self.kl_ctrl.value)
+            if "health" in state:
+                self.health.restore(state["health"])
+                self.lr_scale = state["lr_scale"]
             log.info("resumed from step %d (%s)", step, root)
             return
         if failed:
@@ -319,6 +333,41 @@ class PPOTrainer:
         raise RuntimeError(f"step {self.step}: {', '.join(f'{k}={metrics[k]}' for k in bad)}: not finite, so the "
                            f"run stops here without validating or saving this state. {where}")
 
+    def respond(self, signs: list[str], metrics: dict) -> bool:
+        """What trainer.health.action says to do about this step's collapse signs. Returns whether
+        the run rolled back (then this step's state is discarded, not saved)."""
+        h = self.cfg.trainer.health
+        what = f"step {self.step}: " + "; ".join(signs)
+        if h.action == "warn":
+            log.warning("%s. Training goes on (trainer.health.action=warn)", what)
+            return False
+        self.tracker.log(metrics, step=self.step)  # the signs show next to the steps before them
+        if h.action == "stop":
+            raise Unhealthy(f"{what}. The run stops here (trainer.health.action=stop) without saving this step; "
+                            "rerun to resume from the last checkpoint, e.g. with a lower actor_rollout_ref.actor."
+                            "optim.lr, or set trainer.health.action=rollback.")
+        from verl.trainer.checkpoint import complete_steps
+        root = os.path.join(self.out_dir, "checkpoints")
+        if self.health.rollbacks >= h.max_rollbacks:
+            raise Unhealthy(f"{what}. The run stops: it has rolled back {self.health.rollbacks} times already "
+                            f"(trainer.health.max_rollbacks={h.max_rollbacks}).")
+        target = self.health.rollback_target(complete_steps(root), signs)
+        if target is None:
+            raise Unhealthy(f"{what}. No checkpoint saved while healthy is left under {root} to roll back to: save "
+                            "more often (trainer.save_freq) or keep more (trainer.keep_last_checkpoints).")
+        self.policy.get([w.load.remote(root, target) for w in self.policy.workers], "rollback", self.step)
+        if self.critic is not None:
+            self.critic.get([w.load.remote(root, target) for w in self.critic.workers], "rollback", self.step)
+        self.health.rollbacks += 1
+        self.lr_scale *= h.lr_factor
+        for group in (self.policy, self.critic):
+            if group is not None:
+                group.get([w.set_lr_scale.remote(self.lr_scale) for w in group.workers], "learning rate", self.step)
+        log.warning("%s. Rolled back to the checkpoint of step %d with the learning rate at %g× the configured one "
+                    "and fresh sampling seeds (rollback %d of at most %d; trainer.health.action=rollback)",
+                    what, target, self.lr_scale, self.health.rollbacks, h.max_rollbacks)
+        return True
+
     def fit(self):
         from tqdm import tqdm
 
@@ -341,15 +390,21 @@ class PPOTrainer:
                 t = time.perf_counter()
                 metrics = self.train_step(examples)
                 self.step += 1
-                self.stop_if_not_finite(metrics)
+                if run.health.action != "rollback":
+                    self.stop_if_not_finite(metrics)
                 metrics["timing_s/step"] = time.perf_counter() - t
                 metrics["data/epoch"] = self.sampler.epoch
                 elapsed_s = time.perf_counter() - start
                 last = is_last_step(self.step, self.total_steps, elapsed_s, run.time_limit_minutes)
-                if run.test_freq > 0 and (self.step % run.test_freq == 0 or last):
+                if run.test_freq > 0 and (self.step % run.test_freq == 0 or last) and not non_finite_metrics(metrics):
                     metrics |= self.validate()
-                if run.save_freq > 0 and (self.step % run.save_freq == 0 or last):
+                signs = self.health.check(self.step, metrics)
+                metrics["health/alarms"] = float(len(signs))
+                if signs and self.respond(signs, metrics):
+                    metrics["health/rollbacks"] = float(self.health.rollbacks)
+                elif run.save_freq > 0 and (self.step % run.save_freq == 0 or last):
                     self.save()
+                    self.health.saved(self.step, healthy=not signs)
                 self.tracker.log(metrics, step=self.step)
                 bar.update(1)
                 bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}")
@@ -365,13 +420,6 @@ def is_last_step(step: int, total_steps: int, elapsed_s: float, limit_minutes: f
     """After `step` steps and `elapsed_s` seconds of `fit`: is this step the last one? Yes at the
     planned total, or once the time limit is spent (a step that has started always finishes)."""
     return step >= total_steps or (limit_minutes is not None and elapsed_s >= 60 * limit_minutes)
-
-
-def non_finite_metrics(metrics: dict) -> list[str]:
-    """Names of the losses and gradient norms in `metrics` (pg_loss, kl_loss, critic/vf_loss, grad_norm, …)
-    that are nan or inf."""
-    return sorted(k for k, v in metrics.items()
-                  if k.endswith(("loss", "grad_norm")) and isinstance(v, (int, float)) and not math.isfinite(v))
 
 
 def _mean_dicts(dicts: list[dict], prefix: str = "") -> dict:

@@ -176,6 +176,7 @@ class TrainedModel:
         warmup_steps = int(optim.lr_warmup_steps_ratio * total_steps) if total_steps else 0
         self.scheduler = build_lr_scheduler(self.optimizer, warmup_steps, total_steps, optim.lr_schedule,
                                             optim.min_lr_ratio)
+        self.base_lr = optim.lr
         self.grad_clip = grad_clip
         # Offloading the optimizer state only helps while the parameters are on the GPU.
         self.optimizer_offload = fsdp.optimizer_offload and torch.cuda.is_available() and not fsdp.param_offload
@@ -185,6 +186,14 @@ class TrainedModel:
         self.loss_agg = LossAgg(loss_agg).value  # fail at construction on an unknown name
         self.state_masking = state_masking
         self.seed = seed
+
+    def set_lr_scale(self, scale: float) -> None:
+        """The learning rate becomes `scale` × the configured one, from now on and at every point of
+        its schedule (the schedule multiplies the base rate, which the checkpoint carries)."""
+        self.scheduler.base_lrs = [self.base_lr * scale for _ in self.optimizer.param_groups]
+        for group, base, factor in zip(self.optimizer.param_groups, self.scheduler.base_lrs, self.scheduler.lr_lambdas):
+            group["lr"] = base * factor(self.scheduler.last_epoch)
+        self.scheduler._last_lr = [group["lr"] for group in self.optimizer.param_groups]
 
     def loss_mask(self, batch: RolloutBatch) -> torch.Tensor:
         """Tokens that count in the loss: the model's own (`state_masking`, the default) or every

@@ -99,6 +99,25 @@ def test_values_with_another_meaning_here_stop_at_start_up(override, message):
         load(ORIGINAL_GRPO + SEARCH + [override])
 
 
+def test_the_original_format_reward_keys_are_read_into_reward():
+    # what the original's v0.3 train_grpo_format.sh adds
+    cfg = load(ORIGINAL_GRPO + SEARCH + ["reward_model.structure_format_score=0.2",
+                                         "reward_model.final_format_score=0.1", "reward_model.retrieval_score=0"])
+    assert cfg.reward.kwargs() == {"format_score": 0.2, "structure_bonus": 0.1}
+    assert load(ORIGINAL_GRPO + SEARCH).reward.kwargs() == {}   # the paper's plain EM
+
+
+@pytest.mark.parametrize("override, message", [
+    ("reward_model.enable=true", "model-based reward is not offered"),
+    ("reward.search_cost=-0.1", "what one search costs"),
+    ("reward.final_format_score=0.3", r"in \[0, reward.format_score"),
+    ("reward.format_score=0.6", "sum below 1"),
+])
+def test_reward_terms_out_of_range_stop_at_start_up(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load(ORIGINAL_GRPO + SEARCH + ["reward.retrieval_score=0.4", override])
+
+
 def test_retriever_keys_without_an_agent_loop_stop_at_start_up():
     cfg = load(ORIGINAL_GRPO + ["reward.function=search_r1.rewards:score_for"])
     with pytest.raises(ConfigError, match="agent_loop=search_r1.agent.loop:SearchAgentLoop"):
