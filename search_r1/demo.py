@@ -12,7 +12,7 @@
 7. evaluates after SFT and after GRPO, writes the HTML report and the learning curve, stops the server
 
 Presets: `cpu` (the default) aims at < 20 minutes on 2 CPU cores; `small` (`--small`) is the CI run
-of the same path; `gpu` is the learning curve on one GPU: EM on all 300 test questions before and
+of the same path; `gpu` is the learning curve on one GPU: EM on all 375 test questions before and
 after, GRPO for as many steps as fit in `--grpo-minutes`, validated every 10 steps on 100 of them.
 On CPU the GRPO stage is a smoke run of the RL path (a few steps cannot move EM); the `gpu` preset
 is the one that shows what GRPO does.
@@ -42,7 +42,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-TEST_QUESTIONS = 300  # in the bundled test split
+TEST_QUESTIONS = 375  # in the bundled test split
 
 
 @dataclass(frozen=True)

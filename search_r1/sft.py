@@ -173,8 +173,8 @@ def make_bundled_trajectories(questions: list[dict], search_fn: SearchFn, tokeni
 
     search_fn(queries, topk) returns hits in the `/retrieve` layout (e.g. `RetrievalClient.retrieve`
     or `HTTPSearcher.search`). One-hop questions search the city and answer; two-hop questions
-    search the city, then "<country> capital" / "<country> currency", then answer. Questions whose
-    evidence is missing from what the model would read are dropped and counted in stats. With
+    search the city, then "<country> capital" / "currency" / "population", then answer. Questions
+    whose evidence is missing from what the model would read are dropped and counted in stats. With
     protocol "tools" the searches are search tool calls and the passages tool messages, exactly as
     the tool-calling loop writes them.
     """
@@ -232,7 +232,7 @@ def make_bundled_trajectories(questions: list[dict], search_fn: SearchFn, tokeni
                 dropped[kind] += 1
                 continue
             country = titles[q["passage_ids"][1]]
-            what = kind.rsplit("_", 1)[1]                      # "capital" or "currency"
+            what = kind.rsplit("_", 1)[1]                      # "capital", "currency" or "population"
             article = "the " if what == "currency" else ""
             turns = [
                 ("model", b.model_ids(b.segment(f"I need to find which country {city} is in, then its {what}.",

@@ -41,9 +41,11 @@ def test_demo_small(tmp_path):
 def test_presets_parse_and_small_is_an_alias():
     from omegaconf import OmegaConf
 
+    from search_r1.data.bundled import bundled_paths, read_jsonl
     from search_r1.demo import PRESETS, TEST_QUESTIONS, grpo_overrides, parse_args
     from verl.trainer.config import derive_sizes, load_config
 
+    assert TEST_QUESTIONS == len(read_jsonl(bundled_paths()["test"]))  # "all test questions" stays true
     assert parse_args(["--small"])[1] == parse_args(["--preset", "small"])[1] == PRESETS["small"]
     assert parse_args([])[1] == PRESETS["cpu"]
     args, gpu = parse_args(["--preset", "gpu", "--retriever", "bm25", "--eval-questions", "50", "--grpo-minutes", "0"])

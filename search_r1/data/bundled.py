@@ -4,7 +4,9 @@ It lets the whole pipeline (index build, retrieval server, agent loop, rewards, 
 without the 14 GB wiki-18 corpus or the FlashRAG downloads. The corpus has one passage per country
 and one per selected city, in the wiki-18 layout (title on the first line of `contents`). The
 questions ask about cities, so the model has to search: one hop (the city's country or time zone)
-or two hops (the capital or currency of the city's country, which only the country passage holds).
+or two hops (the capital, currency or population of the city's country, which only the country
+passage holds). A 135M model cannot know a country's population figure, so those questions need
+the second search.
 
 Everything is deterministic: cities are chosen by population, the train/test split is a hash of
 the city name (a city never appears in both splits), and question sampling sorts by a hash of the
@@ -38,6 +40,7 @@ QUESTION_TYPES = [
     ("city_timezone", 1, "In which time zone is the city of {city}?"),
     ("city_country_capital", 2, "What is the capital of the country that {city} is in?"),
     ("city_country_currency", 2, "What currency is used in the country where {city} lies?"),
+    ("city_country_population", 2, "What is the population of the country where {city} lies?"),
 ]
 
 # Other names people use for a few countries; they go into the country passage and the answers.
@@ -240,6 +243,10 @@ def _candidates(city: dict, country: dict, city_text: str):
     currency = [a for a in (country["currency_name"], country["currency_code"]) if a]
     if currency and not any(a in city_text for a in currency):
         answers_by_type["city_country_currency"] = currency
+    # As the country passage writes it ("1,234,567") and as bare digits.
+    population = [f"{country['population']:,}", str(country["population"])]
+    if country["population"] > 0 and not any(a in city_text for a in population):
+        answers_by_type["city_country_population"] = population
     for qtype, hops, pattern in QUESTION_TYPES:
         if qtype in answers_by_type:
             passages = [city["id"]] + ([f"country-{country['code']}"] if hops == 2 else [])

@@ -188,7 +188,8 @@ def test_eval_scripted_answers_count_searches(mode, tiny_model_dir, test_parquet
 
 def test_eval_retrieval_recall_cli(test_parquet, bm25_server, tmp_path, capsys):
     """With the question as the query, BM25 finds the passage of a one-hop question (the city's)
-    but rarely the second passage of a two-hop one (the country's): half the bundled set is two-hop."""
+    but rarely the second passage of a two-hop one (the country's): three of the five question
+    types in the bundled set are two-hop."""
     from search_r1.data import preprocess
     from search_r1.data.bundled import bundled_paths, read_jsonl
     one_hop = tmp_path / "one_hop.jsonl"
@@ -203,9 +204,9 @@ def test_eval_retrieval_recall_cli(test_parquet, bm25_server, tmp_path, capsys):
     args.func(args)
     result = json.loads((tmp_path / "eval_retrieval.json").read_text())
     geo, geo_1hop = result["per_source"]["geo_qa"], result["per_source"]["geo_1hop"]
-    assert geo["n"] == 300 and geo_1hop["n"] == 150 and result["topk"] == [1, 3]
+    assert geo["n"] == 375 and geo_1hop["n"] == 150 and result["topk"] == [1, 3]
     assert geo_1hop["recall@3"] > 0.9 and geo_1hop["recall@1"] <= geo_1hop["recall@3"]
-    assert 0.5 <= geo["recall@3"] < 0.9
+    assert 0.35 <= geo["recall@3"] < 0.7  # the one-hop two fifths, few two-hop answers
     assert result["macro"]["recall@3"] == pytest.approx((geo["recall@3"] + geo_1hop["recall@3"]) / 2)
     table = (tmp_path / "eval_retrieval.md").read_text()
     assert "| BM25 | recall@3 |" in table and "| Bamboogle | geo_1hop | geo_qa | Avg. |" in table  # order of appearance

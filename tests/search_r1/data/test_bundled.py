@@ -43,9 +43,11 @@ def test_corpus_layout(built):
 
 def test_question_counts_and_schema(built):
     _, questions = built
-    assert 2500 <= len(questions["train"]) <= 3500
-    assert 250 <= len(questions["test"]) <= 400
+    types = [t for t, _, _ in bundled.QUESTION_TYPES]
+    assert "city_country_population" in types
     for split, rows in questions.items():
+        per_type = bundled.QUESTIONS_PER_TYPE[split]
+        assert [sum(q["type"] == t for q in rows) for t in types] == [per_type] * len(types)
         assert len({q["id"] for q in rows}) == len(rows)
         assert {q["hops"] for q in rows} == {1, 2}
         for q in rows:
@@ -59,15 +61,30 @@ def test_answers_are_in_the_corpus(built):
     text = {p["id"]: p["contents"] for p in corpus}
     everything = "\n".join(text.values())
     for q in questions["train"] + questions["test"]:
-        assert all(a in everything for a in q["golden_answers"]), q  # aliases included
+        # A population is also accepted as bare digits, which no passage writes.
+        written = q["golden_answers"][:1] if q["type"] == "city_country_population" else q["golden_answers"]
+        assert all(a in everything for a in written), q  # aliases included
         main_answer = q["golden_answers"][0]
         assert any(main_answer in text[pid] for pid in q["passage_ids"]), q
         if q["hops"] == 2:
             city_id, country_id = q["passage_ids"]
             assert country_id.startswith("country-")
-            assert all(a in text[country_id] for a in q["golden_answers"]), q
+            assert all(a in text[country_id] for a in written), q
             # The first hop must not already give the answer away.
             assert not any(a in text[city_id] for a in q["golden_answers"]), q
+
+
+def test_population_answers(built):
+    corpus, questions = built
+    text = {p["id"]: p["contents"] for p in corpus}
+    rows = [q for q in questions["train"] + questions["test"] if q["type"] == "city_country_population"]
+    assert rows
+    for q in rows:
+        city_id, country_id = q["passage_ids"]
+        formatted, digits = q["golden_answers"]
+        assert formatted == f"{int(digits):,}" and int(digits) > 0
+        assert f"It has a population of {formatted}." in text[country_id]
+        assert formatted not in text[city_id] and digits not in text[city_id]
 
 
 def test_no_city_in_both_splits(built):
