@@ -216,7 +216,8 @@ def main(argv: list[str] | None = None, loader: Loader | None = None) -> Path:
     parser.add_argument("--split", default="train", help="train, dev or test")
     prompt = parser.add_mutually_exclusive_group()
     prompt.add_argument("--template", default="instruct", choices=sorted(TEMPLATES),
-                        help="one of our prompt templates (base: plain text for base models; tool: the "
+                        help="one of our prompt templates (base: plain text for base models; example: "
+                             "instruct with one worked search; tool: the "
                              "tool-calling protocol, rows in verl's search-tool layout)")
     prompt.add_argument("--template-file", default=None, metavar="FILE",
                         help="your own prompt template, e.g. that of earlier runs: a text file "

@@ -36,6 +36,20 @@ _BASE = (
     "Question: {question}\n"
 )
 
+# The instruct template with one worked trajectory, for training from a model that has never seen
+# the format (reinforcement learning without a supervised warm start): a model that never writes the
+# tags earns no reward, so nothing can be learned from its samples. The example's city is not in the
+# bundled corpus, so it answers none of the bundled questions.
+_EXAMPLE = _INSTRUCT.removesuffix("Question: {question}\n") + (
+    "Here is how a search goes, for another question:\n"
+    "<think> I need the country Tartu is in. </think>\n"
+    "<search> Tartu </search>\n"
+    "<information> Doc 1(Title: Tartu) Tartu is a university city in Estonia. </information>\n"
+    "<think> The passage says Tartu is in Estonia. </think>\n"
+    "<answer> Estonia </answer>\n"
+    "Question: {question}\n"
+)
+
 # The tool-calling protocol: the chat template lists the search tool (verl.tools.chat), so the
 # prompt only says when to use it and how to answer.
 _TOOL = (
@@ -48,9 +62,9 @@ _TOOL = (
 )
 TOOL_SYSTEM = "You are a helpful assistant who answers questions with the help of a search tool."
 
-# "base": raw text, no chat template applied; "instruct": wrapped by the tokenizer's chat template;
+# "base": raw text, no chat template applied; "instruct" and "example": wrapped by the tokenizer's chat template;
 # "tool": a system and a user message, rendered with the search tool by the chat template.
-TEMPLATES: dict[str, str] = {"base": _BASE, "instruct": _INSTRUCT, "tool": _TOOL}
+TEMPLATES: dict[str, str] = {"base": _BASE, "instruct": _INSTRUCT, "example": _EXAMPLE, "tool": _TOOL}
 
 
 # Placeholder -> what it becomes; README's "Data" section documents the same list.
