@@ -30,13 +30,20 @@ def local_files(tmp_path):
 
 
 def test_templates_carry_the_tags():
-    for name in ("base", "instruct"):
+    for name in ("base", "instruct", "example"):
         text = make_prompt_text("Who painted the Mona Lisa", name)
         for tag in ("<think>", "</think>", "<search>", "</search>", "<information>",
                     "</information>", "<answer>", "</answer>"):
             assert tag in text, (name, tag)
         assert text.rstrip().endswith("Question: Who painted the Mona Lisa?")
         assert make_prompt("Who painted the Mona Lisa", name) == [{"role": "user", "content": text}]
+    # the worked example is a whole valid trajectory, about a city the bundled corpus does not have
+    from search_r1.data.bundled import bundled_paths
+    from search_r1.rewards import check_format
+    example = make_prompt_text("Who painted the Mona Lisa", "example")
+    trajectory = example[example.index("<think>", example.index("another question")):example.index("Question:")]
+    assert check_format(trajectory.strip()).valid
+    assert "Tartu" not in bundled_paths()["corpus"].read_text(encoding="utf-8")
     # the tool protocol: searches are tool calls the chat template teaches; think and answer stay tags
     system, user = make_prompt("Who painted the Mona Lisa", "tool")
     assert system["role"] == "system" and user["role"] == "user" and "search tool" in user["content"]
