@@ -97,6 +97,19 @@ def explain_out_of_memory(what: str, rollout):
             f"(trainer.n_gpus_per_node).{copy}") from error
 
 
+def shared_gpu_error(error: Exception) -> Exception:
+    """vLLM's sleep checks that the GPU's free memory grew; another process allocating on the same
+    GPU at that moment fails the check, and vLLM's message does not say so."""
+    if "memory usage increased after sleeping" not in str(error).lower():
+        return error
+    return RuntimeError(
+        f"vLLM could not put the rollout engine to sleep ({error}): it checks that the GPU's free memory grew, "
+        "and another process on the same GPU (a second run, an evaluation) allocated memory meanwhile. Give this "
+        "run a GPU of its own (CUDA_VISIBLE_DEVICES), or set actor_rollout_ref.rollout.enable_sleep=false (the "
+        "engine then keeps its memory while the actor trains: lower actor_rollout_ref.rollout."
+        "gpu_memory_utilization to make room)")
+
+
 def agent_loop_settings(cfg: TrainerConfig, device: str) -> AgentLoopSettings:
     """The agent loop's settings, for the workers and the driver's preflight. Its options are the
     original trainer's top-level keys `max_turns` and `retriever.*` (the search agent's) or, with
@@ -163,7 +176,10 @@ class PolicyWorker:
 
     def sleep_rollout(self):
         if not self._asleep:
-            self.engine.sleep()
+            try:
+                self.engine.sleep()
+            except Exception as error:
+                raise shared_gpu_error(error) from error
             self._asleep = True
 
     def wake_rollout(self):

@@ -355,7 +355,8 @@ class HealthConfig:
                               "loss stops the run) | stop | rollback (to the newest checkpoint saved while healthy, "
                               "with the learning rate times lr_factor and a fresh sampling seed)")
     entropy_spike: float | None = key(3.0, "sign: the policy's entropy above this multiple of its median over the "
-                                           "previous `window` steps; null: not watched")
+                                           "previous `window` steps, or below its median divided by it; null: not "
+                                           "watched")
     max_kl: float | None = key(None, "sign: the KL to the reference (actor kl_loss or kl/reward_kl) above this; "
                                      "null: not watched")
     val_drop: float | None = key(0.2, "sign: validation reward/em below its best so far by more than this; null: "
@@ -363,7 +364,8 @@ class HealthConfig:
     no_action_rise: float | None = key(0.5, "sign: the share of trajectories that neither searched nor answered "
                                             "above its lowest over the previous `window` steps by more than "
                                             "this; null: not watched")
-    window: int = key(10, "steps of history the spike and rise signs compare with (at least 3 needed)")
+    window: int = key(10, "steps of history the entropy and no-action signs compare with (the entropy sign "
+                          "needs 3 of them, the no-action sign 1)")
     max_rollbacks: int = key(3, "rollbacks allowed in a run; one more sign after them stops it")
     lr_factor: float = key(0.5, "rollback: the learning rate is multiplied by this, in (0, 1]")
 

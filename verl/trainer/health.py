@@ -47,9 +47,14 @@ class HealthWatch:
         signs = [f"{k}={metrics[k]} is not finite" for k in non_finite_metrics(metrics)]
         entropy = metrics.get("entropy")
         if c.entropy_spike is not None and entropy is not None and len(self.entropy) >= 3:
+            # Up: the policy writes gibberish. Down: it collapses onto one output in a few steps
+            # (e.g. a learning rate far too high); learning lowers entropy too, but not that fast.
             median = statistics.median(self.entropy)
             if entropy > c.entropy_spike * median:
                 signs.append(f"entropy {entropy:.3g} is above {c.entropy_spike:g}× its median {median:.3g} "
+                             f"of the previous {len(self.entropy)} steps (trainer.health.entropy_spike)")
+            elif entropy * c.entropy_spike < median:
+                signs.append(f"entropy {entropy:.3g} is below 1/{c.entropy_spike:g} of its median {median:.3g} "
                              f"of the previous {len(self.entropy)} steps (trainer.health.entropy_spike)")
         kl = metrics.get("kl_loss", metrics.get("kl/reward_kl"))
         if c.max_kl is not None and kl is not None and kl > c.max_kl:
@@ -59,7 +64,7 @@ class HealthWatch:
             signs.append(f"validation EM {val:.3f} is more than {c.val_drop:g} below its best {self.best_val:.3f} "
                          f"(step {self.best_val_step}; trainer.health.val_drop)")
         share = metrics.get(NO_ACTION)
-        if c.no_action_rise is not None and share is not None and len(self.no_action) >= 3:
+        if c.no_action_rise is not None and share is not None and self.no_action:   # one step is a baseline
             low = min(self.no_action)
             if share > low + c.no_action_rise:
                 signs.append(f"{share:.0%} of the trajectories neither searched nor answered, up from {low:.0%} "

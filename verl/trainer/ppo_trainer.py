@@ -382,6 +382,9 @@ class PPOTrainer:
             return
         if run.val_before_train and self.step == 0:
             self.tracker.log(self.validate(), step=0)
+        if run.health.action == "rollback" and self.step == 0:   # a healthy state to go back to from the start
+            self.save()
+            self.health.saved(0, healthy=True)
         with tqdm(total=self.total_steps, initial=self.step, desc="training", unit="step") as bar:
             while self.step < self.total_steps:
                 examples = self.sampler.next_batch()

@@ -71,3 +71,13 @@ def test_other_wake_errors_pass_through():
     worker = asleep_worker(EngineOutOfMemory(error), "auto")
     with pytest.raises(ValueError, match="something else"):
         worker.wake_rollout()
+
+
+def test_a_failed_sleep_on_a_shared_gpu_says_why_and_what_to_do():
+    from verl.single_controller.roles import shared_gpu_error
+    # vLLM's message when another process allocated on the GPU while this engine went to sleep
+    error = shared_gpu_error(Exception("Call to sleep method failed: Memory usage increased after sleeping."))
+    assert isinstance(error, RuntimeError)
+    assert "another process on the same GPU" in str(error) and "actor_rollout_ref.rollout.enable_sleep=false" in str(error)
+    other = ValueError("something else")
+    assert shared_gpu_error(other) is other

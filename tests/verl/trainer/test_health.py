@@ -37,6 +37,13 @@ def test_an_entropy_spike_over_the_recent_median_is_a_sign():
     assert len(signs[4]) == 1 and "entropy 4 is above 3× its median" in signs[4][0]
 
 
+def test_an_entropy_collapse_below_the_recent_median_is_a_sign():
+    # as measured on a GPU at 100× the learning rate: 0.64 before the first update, 0.10 after it
+    signs = _steps(_watch(entropy_spike=3.0), [{"entropy": e} for e in (0.64, 0.66, 0.6, 0.3, 0.1)])
+    assert signs[:4] == [[], [], [], []]
+    assert "entropy 0.1 is below 1/3 of its median 0.62" in signs[4][0]
+
+
 def test_no_spike_is_judged_before_three_steps_of_history():
     assert _steps(_watch(entropy_spike=3.0), [{"entropy": e} for e in (0.1, 5.0, 9.0)]) == [[], [], []]
 
@@ -54,6 +61,8 @@ def test_a_rise_of_trajectories_without_an_action_is_a_sign():
     signs = _steps(_watch(no_action_rise=0.5), [{NO_ACTION: s} for s in (0.9, 0.3, 0.2, 0.6, 0.8)])
     assert signs[:4] == [[], [], [], []]
     assert "80% of the trajectories neither searched nor answered, up from 20%" in signs[4][0]
+    # one healthy step is baseline enough: the GPU run at 100× the learning rate went 1% → 100% in one step
+    assert _steps(_watch(no_action_rise=0.5), [{NO_ACTION: 0.006}, {NO_ACTION: 1.0}])[1]
 
 
 def test_kl_above_its_limit_and_non_finite_losses_are_signs():
@@ -230,3 +239,11 @@ def test_warn_trains_on_and_counts_the_sign(tmp_path, caplog):
     assert trainer.step == 6 and trainer.policy.loaded == []
     assert dict(trainer.tracker.logged)[5]["health/alarms"] == 1
     assert "step 5: entropy 50" in caplog.text
+
+
+def test_rollback_saves_the_starting_state_so_the_first_steps_can_go_back(tmp_path):
+    # at 100× the learning rate a GPU run collapsed at its second step, before any save
+    trainer = _trainer(tmp_path, [{"pg_loss": float("nan")}, CALM, CALM], action="rollback")
+    trainer.fit()
+    assert trainer.policy.loaded == [0] and trainer.health.rollbacks == 1
+    assert 0 in checkpoint.complete_steps(tmp_path / "checkpoints")

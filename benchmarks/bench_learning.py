@@ -1,0 +1,285 @@
+"""Learning experiments on the bundled task: several GRPO (or PPO) runs side by side, one table.
+
+    python benchmarks/bench_learning.py --out DIR --slots 0,0,1,1 --minutes 6 \\
+        --variant "sft-grpo" \\
+        --variant "rl-example start=base template=example reward.format_score=0.2 reward.final_format_score=0.1" \\
+        --variant "no-masking actor_rollout_ref.actor.state_masking=false"
+
+Each variant is the demo's `gpu` preset (SmolLM2-135M-Instruct, 32 prompts × 5 samples per step, lr
+1e-5, validation every 10 steps on the first 100 test questions) changed by its own words:
+- `start=sft` (default): from the demo's SFT warm start, made once and shared by every such variant;
+  `start=base`: from the bundled instruct model itself (reinforcement learning alone);
+- `template=NAME`: the prompt template of its training and test rows (search_r1.data.templates);
+- `eval=search,rag,no-search`: the modes its final model is evaluated in (default: search; none: no
+  evaluation, the validation curve only);
+- `eval_topk=K`: passages per search in its final evaluation (default: retriever.topk of the variant, or 3);
+- any other `key=value` is a trainer key, set over the preset's.
+All variants share one BM25 server over the bundled corpus and the same seeds. `--slots` lists the GPU
+of every run that may go at once (`0,0,1,1`: two runs on each of GPUs 0 and 1); variants wait for a
+free slot, in the order given. Runs that share a GPU keep their engine awake while they train
+(`rollout.enable_sleep=false`: vLLM's sleep fails when another process allocates on the GPU meanwhile),
+and they slow each other down: compare variants at equal steps, not equal minutes. After training, each final model is evaluated greedily on every test
+question, with EM per question type and hop count.
+
+Writes DIR/<variant>/ (the run: metrics.jsonl, samples, eval_*), DIR/results.json and prints a
+Markdown table: steps, minutes, final EM ± s.e., EM and searches per question by hops and type, and,
+from the first 10 steps, what the reward signal looked like (share of groups with all-equal rewards,
+answer rate, searches per trajectory).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from search_r1.demo import MAX_OBS, MAX_TURNS, PRESETS, build_index, grpo_overrides, start_server, stop  # noqa: E402
+
+RUNNER_KEYS = ("start", "template", "eval", "eval_topk")
+
+
+@dataclass
+class Variant:
+    name: str
+    start: str = "sft"
+    template: str = "instruct"
+    evals: list[str] = field(default_factory=lambda: ["search"])
+    eval_topk: int | None = None
+    overrides: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def parse(cls, spec: str) -> "Variant":
+        name, *words = spec.split()
+        v = cls(name)
+        for word in words:
+            key, sep, value = word.partition("=")
+            if not sep:
+                raise SystemExit(f"variant {name}: {word!r} is not key=value")
+            if key == "start":
+                if value not in ("sft", "base"):
+                    raise SystemExit(f"variant {name}: start={value}: use sft or base")
+                v.start = value
+            elif key == "template":
+                v.template = value
+            elif key == "eval":
+                v.evals = [] if value == "none" else value.split(",")
+            elif key == "eval_topk":
+                v.eval_topk = int(value)
+            else:
+                v.overrides[key] = value
+        return v
+
+    @property
+    def topk(self) -> int:
+        return self.eval_topk or int(self.overrides.get("retriever.topk", 3))
+
+
+def merged(base: list[str], overrides: dict[str, str]) -> list[str]:
+    """Hydra refuses a key given twice: the variant's values replace the preset's."""
+    keys = dict(item.split("=", 1) for item in base)
+    keys.update(overrides)
+    return [f"{k}={v}" for k, v in keys.items()]
+
+
+def run_logged(cmd: list, log: Path, env: dict | None = None) -> subprocess.Popen:
+    log.parent.mkdir(parents=True, exist_ok=True)
+    out = open(log, "w")
+    out.write("$ " + " ".join(map(str, cmd)) + "\n")
+    out.flush()
+    return subprocess.Popen([str(c) for c in cmd], stdout=out, stderr=subprocess.STDOUT, env=env)
+
+
+def gpu_env(gpu: str) -> dict:
+    return os.environ | {"CUDA_VISIBLE_DEVICES": gpu}
+
+
+def prepare_data(out: Path, template: str) -> dict[str, Path]:
+    paths = {split: out / "data" / f"{template}_{split}.parquet" for split in ("train", "test")}
+    for split, path in paths.items():
+        if not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            subprocess.run([sys.executable, "-m", "search_r1.data.preprocess", "--bundled", "--split", split,
+                            "--template", template, "--out", str(path)], check=True, capture_output=True)
+    return paths
+
+
+def eval_cmd(model: Path, data: Path, url: str, out: Path, mode: str, topk: int, memory: float,
+             limit: int | None) -> list:
+    return [sys.executable, "-m", "search_r1.cli", "eval", "--model", model, "--data", data,
+            *(["--limit", limit] if limit else []),
+            "--retriever-url", url, "--mode", mode, "--out", out, "--topk", topk, "--max-turns", MAX_TURNS,
+            "--max-response-length", PRESETS["gpu"].response_length, "--max-obs-length", MAX_OBS,
+            "--gpu-memory-utilization", memory, "--enforce-eager"]
+
+
+class Job:
+    """One variant: train, then evaluate its final model, each a process on the slot's GPU."""
+
+    def __init__(self, v: Variant, gpu: str, out: Path, model: Path, data: dict, url: str, minutes: float,
+                 memory: float, eval_limit: int | None, shared: bool):
+        self.v, self.gpu, self.dir, self.url, self.memory = v, gpu, out / v.name, url, memory
+        self.eval_limit = eval_limit
+        self.data, self.t0 = data, time.time()
+        preset = replace(PRESETS["gpu"], grpo_minutes=minutes)
+        keys = grpo_overrides(preset, data["train"], data["test"], model, url, self.dir)
+        keys += [f"actor_rollout_ref.rollout.gpu_memory_utilization={memory}",
+                 f"trainer.experiment_name={v.name}"]
+        if shared:   # vLLM's sleep checks the device's free memory, which other runs on the GPU move
+            keys.append("actor_rollout_ref.rollout.enable_sleep=false")
+        self.proc = run_logged([sys.executable, "-m", "verl.trainer.main_ppo", *merged(keys, v.overrides)],
+                               self.dir / "train.log", gpu_env(gpu))
+        self.evals = list(v.evals)
+        self.phase = "train"
+
+    def poll(self) -> bool:
+        """Advance; True when the job is finished (or failed)."""
+        code = self.proc.poll()
+        if code is None:
+            return False
+        if code != 0:
+            self.phase = f"failed ({self.phase}, exit {code}; see {self.dir})"
+            return True
+        if not self.evals:
+            self.phase = "done"
+            return True
+        mode = self.evals.pop(0)
+        self.phase = f"eval {mode}"
+        self.proc = run_logged(eval_cmd(self.dir / "hf_actor", self.data["test"], self.url, self.dir / "eval", mode,
+                                        self.v.topk, self.memory, self.eval_limit), self.dir / f"eval_{mode}.log", gpu_env(self.gpu))
+        return False
+
+
+def signal_stats(rows: list[dict], first: int = 10) -> dict:
+    """What the reward signal looked like in the first steps."""
+    early = [r for r in rows if "reward/mean" in r][:first]
+
+    def mean(key, missing=None):   # a finish reason no trajectory had is not logged: it was 0
+        vals = [r.get(key, missing) for r in early]
+        vals = [v for v in vals if v is not None]
+        return sum(vals) / len(vals) if vals else None
+    searches = "agent/searches" if any("agent/searches" in r for r in early) else "agent/tool_calls"
+    return {"flat_groups": mean("reward/flat_groups"), "answer_rate": mean("agent/finish_answer", 0.0),
+            "searches": mean(searches), "reward": mean("reward/mean")}
+
+
+def summarize(v: Variant, run_dir: Path, phase: str) -> dict:
+    from search_r1.report import read_metrics
+    rows = read_metrics(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").exists() else []
+    steps = [r for r in rows if "reward/mean" in r]
+    out = {"variant": v.name, "start": v.start, "template": v.template, "overrides": v.overrides, "status": phase,
+           "steps": len(steps), "minutes": (steps[-1]["time"] - rows[0]["time"]) / 60 if steps else 0.0,
+           "curve": [{"step": r["step"], "val_em": r["val/reward/em"]} for r in rows if "val/reward/em" in r],
+           "train_reward": [round(r["reward/mean"], 4) for r in steps],
+           "signal_first_10": signal_stats(rows),
+           "rollbacks": max((r.get("health/rollbacks", 0) for r in rows), default=0),
+           "alarms": sum(r.get("health/alarms", 0) for r in rows)}
+    for mode in v.evals:
+        path = run_dir / "eval" / f"eval_{mode}.json"
+        if path.exists():
+            result = json.loads(path.read_text())
+            em, n = float(result["macro"]["em"]), int(result["n"])
+            out[f"eval_{mode}"] = {"em": em, "se": math.sqrt(em * (1 - em) / n) if n else None, "n": n,
+                                   "searches": result["macro"].get("searches"),
+                                   "per_group": result.get("per_group")}
+    return out
+
+
+def table(results: list[dict]) -> str:
+    lines = ["| variant | start | steps | min | EM (all) ± s.e. | searches | by group: EM / searches | "
+             "first 10 steps: flat groups, answer rate, searches |",
+             "|---|---|---:|---:|---:|---:|---|---|"]
+    for r in results:
+        e = r.get("eval_search") or {}
+        groups = "; ".join(f"{g}: {d.get('em', 0):.2f} / {d.get('searches', 0):.2f}"
+                           for g, d in sorted((e.get("per_group") or {}).items()))
+        s = r["signal_first_10"]
+        fmt = lambda x: "-" if x is None else f"{x:.2f}"  # noqa: E731
+        em = f"{e['em']:.3f} ± {e['se']:.3f}" if e else r["status"]
+        lines.append(f"| {r['variant']} | {r['start']} | {r['steps']} | {r['minutes']:.1f} | {em} | "
+                     f"{fmt(e.get('searches'))} | {groups} | {fmt(s['flat_groups'])}, {fmt(s['answer_rate'])}, "
+                     f"{fmt(s['searches'])} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", required=True)
+    p.add_argument("--variant", action="append", required=True, help="NAME [start=sft|base] [template=T] "
+                   "[eval=search,rag,no-search] [eval_topk=K] [trainer.key=value ...]")
+    p.add_argument("--slots", default="0", help="the GPU of each run that may go at once, e.g. 0,0,1,1")
+    p.add_argument("--minutes", type=float, default=10.0, help="GRPO minutes per variant (trainer.time_limit_minutes)")
+    p.add_argument("--memory", type=float, default=0.3, help="vLLM's share of GPU memory per run")
+    p.add_argument("--eval-limit", type=int, default=None, help="test questions in the final evaluations (default: all)")
+    a = p.parse_args(argv)
+    variants = [Variant.parse(s) for s in a.variant]
+    if len({v.name for v in variants}) != len(variants):
+        raise SystemExit("variant names must differ")
+    out = Path(a.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from search_r1.data.bundled import bundled_paths
+    from search_r1.local_models import materialize_smollm2
+
+    t0 = time.time()
+    model = Path(materialize_smollm2(out / "smollm2"))
+    retriever_args = build_index("bm25", Path(bundled_paths()["corpus"]), out, out / "logs" / "index.log")
+    data = {t: prepare_data(out, t) for t in {v.template for v in variants}}
+    server, url = start_server(retriever_args, out / "logs" / "retrieval_server.log")
+    slots = a.slots.split(",")
+    free, running, done = list(slots), [], []
+    sft_model, sft_proc = out / "sft_model", None
+    pending = list(variants)
+    try:
+        if any(v.start == "sft" for v in variants) and not (sft_model / "config.json").exists():
+            gpu = free.pop(0)
+            gpu_preset = PRESETS["gpu"]
+            sft_proc = (gpu, run_logged([sys.executable, "-m", "search_r1.cli", "sft", "--model", model, "--out",
+                                         sft_model, "--bundled", gpu_preset.sft_questions, "--retriever-url", url,
+                                         "--epochs", gpu_preset.sft_epochs, "--micro-batch-size", 8,
+                                         "--max-obs-length", MAX_OBS], out / "logs" / "sft.log", gpu_env(gpu)))
+        while pending or running or sft_proc:
+            if sft_proc and sft_proc[1].poll() is not None:
+                if sft_proc[1].returncode:
+                    raise SystemExit(f"SFT failed; see {out / 'logs' / 'sft.log'}")
+                free.append(sft_proc[0])
+                sft_proc = None
+            for job in [j for j in running if j.poll()]:
+                running.remove(job)
+                free.append(job.gpu)
+                done.append(summarize(job.v, job.dir, job.phase))
+                print(f"[{(time.time() - t0) / 60:5.1f} min] {job.v.name}: {job.phase}", flush=True)
+                (out / "results.json").write_text(json.dumps(done, indent=1))
+            for v in list(pending):
+                if not free or (v.start == "sft" and sft_proc):
+                    continue
+                pending.remove(v)
+                start_model = sft_model if v.start == "sft" else model
+                gpu = free.pop(0)
+                running.append(Job(v, gpu, out, start_model, data[v.template], url, a.minutes, a.memory,
+                                   a.eval_limit, shared=slots.count(gpu) > 1))
+                print(f"[{(time.time() - t0) / 60:5.1f} min] {v.name}: started", flush=True)
+                time.sleep(5)   # engines start one after another on a shared GPU
+            time.sleep(5)
+    finally:
+        for job in running:
+            job.proc.kill()
+        stop(server)
+    order = {v.name: i for i, v in enumerate(variants)}
+    done.sort(key=lambda r: order[r["variant"]])
+    (out / "results.json").write_text(json.dumps(done, indent=1))
+    print(table(done), flush=True)
+    print(f"\nall done in {(time.time() - t0) / 60:.1f} min", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,46 @@
+"""The learning benchmark's own parts: variant specs, key merging and the summary of a run's
+metrics, on hand-made inputs (the runs themselves need a GPU; RESULTS.md has them)."""
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from bench_learning import Variant, merged, signal_stats, table  # noqa: E402
+
+
+def test_a_variant_spec_splits_into_runner_words_and_trainer_keys():
+    v = Variant.parse("rl start=base template=example eval=search,rag retriever.topk=1 reward.search_cost=0.1")
+    assert (v.name, v.start, v.template, v.evals, v.topk) == ("rl", "base", "example", ["search", "rag"], 1)
+    assert v.overrides == {"retriever.topk": "1", "reward.search_cost": "0.1"}
+    assert Variant.parse("curve-only eval=none").evals == []
+    assert Variant.parse("plain").start == "sft" and Variant.parse("plain").topk == 3
+    with pytest.raises(SystemExit, match="start=scratch"):
+        Variant.parse("x start=scratch")
+    with pytest.raises(SystemExit, match="not key=value"):
+        Variant.parse("x topk")
+
+
+def test_the_variants_keys_replace_the_presets_once():
+    keys = merged(["a=1", "b=x=y", "c=3"], {"a": "2", "d": "4"})
+    assert keys == ["a=2", "b=x=y", "c=3", "d=4"]   # Hydra refuses a key given twice
+
+
+def test_the_signal_summary_counts_missing_finish_reasons_as_zero():
+    rows = [{"step": 0, "val/reward/em": 0.0},
+            {"step": 1, "reward/mean": 0.0, "reward/flat_groups": 1.0, "agent/searches": 0.0},
+            {"step": 2, "reward/mean": 0.2, "reward/flat_groups": 0.5, "agent/searches": 1.0,
+             "agent/finish_answer": 0.5}]
+    assert signal_stats(rows) == {"flat_groups": 0.75, "answer_rate": 0.25, "searches": 0.5, "reward": 0.1}
+
+
+def test_the_table_has_a_row_per_variant_and_says_why_one_has_no_em():
+    done = {"variant": "a", "start": "sft", "steps": 3, "minutes": 1.0, "status": "done",
+            "signal_first_10": {"flat_groups": 0.5, "answer_rate": None, "searches": 1.0},
+            "eval_search": {"em": 0.5, "se": 0.05, "searches": 1.2, "per_group": {"hops=1": {"em": 0.9, "searches": 1.0}}}}
+    failed = {"variant": "b", "start": "base", "steps": 0, "minutes": 0.0, "status": "failed (train, exit 1)",
+              "signal_first_10": {"flat_groups": None, "answer_rate": None, "searches": None}}
+    lines = table([done, failed]).splitlines()
+    assert len(lines) == 4
+    assert "| a | sft | 3 | 1.0 | 0.500 ± 0.050 | 1.20 | hops=1: 0.90 / 1.00 | 0.50, -, 1.00 |" == lines[2]
+    assert "failed (train, exit 1)" in lines[3]
