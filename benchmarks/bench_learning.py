@@ -21,7 +21,8 @@ free slot, in the order given. Runs that share a GPU keep their engine awake whi
 and they slow each other down: compare variants at equal steps, not equal minutes. After training, each final model is evaluated greedily on every test
 question, with EM per question type and hop count.
 
-Writes DIR/<variant>/ (the run: metrics.jsonl, samples, eval_*), DIR/results.json and prints a
+Writes DIR/<variant>/ (the run: metrics.jsonl, samples, eval_*), DIR/results.json, DIR/compare.html
+(`search-r1 report` over the runs: their curves side by side) and prints a
 Markdown table: steps, minutes, final EM ± s.e., EM and searches per question by hops and type, and,
 from the first 10 steps, what the reward signal looked like (share of groups with all-equal rewards,
 answer rate, searches per trajectory).
@@ -276,6 +277,10 @@ def main(argv=None) -> int:
     order = {v.name: i for i, v in enumerate(variants)}
     done.sort(key=lambda r: order[r["variant"]])
     (out / "results.json").write_text(json.dumps(done, indent=1))
+    from search_r1.report import write_comparison
+    runs = [out / r["variant"] for r in done if (out / r["variant"] / "metrics.jsonl").exists()]
+    if runs:
+        print(f"curves side by side: {write_comparison(runs, out / 'compare.html')}")
     print(table(done), flush=True)
     print(f"\nall done in {(time.time() - t0) / 60:.1f} min", flush=True)
     return 0

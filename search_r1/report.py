@@ -48,15 +48,27 @@ PHASE_COLOURS = ["#30638e", "#edae49", "#00798c", "#66a182", "#8e6c8a", "#c9a227
 TAG_RE = re.compile(r"<(think|search|information|answer)>")
 
 
+# The comparison of several runs: one chart per metric, one line per run.
+COMPARE = [("Validation EM", "val/reward/em"), ("Training reward (sampled)", "reward/mean"),
+           ("Groups with all-equal rewards (no GRPO signal)", "reward/flat_groups"),
+           ("Searches per trajectory", "agent/searches"), ("Answer rate", "agent/finish_answer"),
+           ("Entropy", "entropy"), ("KL to the reference", "kl_loss"), ("Response length (tokens)", "response/length")]
+
+
 def add_parser(subparsers) -> None:
-    p = subparsers.add_parser("report", help="write an HTML report of a training run")
-    p.add_argument("run_dir", help="the trainer's output directory (trainer.default_local_dir)")
-    p.add_argument("--out", help="HTML file to write (default: RUN_DIR/report.html)")
+    p = subparsers.add_parser("report", help="write an HTML report of a training run, or compare several")
+    p.add_argument("run_dir", nargs="+", help="the trainer's output directory (trainer.default_local_dir); several: "
+                   "their curves side by side")
+    p.add_argument("--out", help="HTML file to write (default: RUN_DIR/report.html; for several runs, compare.html "
+                                 "in the first one's parent directory)")
     p.set_defaults(func=_cli)
 
 
 def _cli(args) -> None:
-    print(f"report written to {write_report(args.run_dir, args.out)}")
+    if len(args.run_dir) == 1:
+        print(f"report written to {write_report(args.run_dir[0], args.out)}")
+    else:
+        print(f"comparison written to {write_comparison(args.run_dir, args.out)}")
 
 
 def write_report(run_dir, out=None) -> Path:
@@ -74,6 +86,46 @@ def write_report(run_dir, out=None) -> Path:
     page = (f"<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\"><title>{title}</title>"
             f"<style>{CSS}</style></head>\n<body>\n{''.join(body)}<script>{JS}</script>\n</body></html>\n")
     out = Path(out) if out else run_dir / "report.html"
+    out.write_text(page, encoding="utf-8")
+    return out
+
+
+def write_comparison(run_dirs, out=None) -> Path:
+    """One page with the runs' curves side by side (each run's name is its directory's) and a table
+    of where each ended; the default `out` is compare.html next to the first run."""
+    runs = {}
+    for d in map(Path, run_dirs):
+        if not (d / "metrics.jsonl").is_file():
+            raise FileNotFoundError(f"{d / 'metrics.jsonl'} does not exist: give trainer output directories")
+        runs[d.name] = (d, read_metrics(d / "metrics.jsonl"))
+    if len(runs) < len(run_dirs):
+        raise ValueError("two of the runs have the same directory name: the comparison names runs by it")
+    colours = dict(zip(runs, _cycle(PALETTE)))
+    rows = ["<tr><th>run</th><th>steps</th><th>validation EM: first → last (best)</th><th>final evaluation EM</th>"
+            "<th>rollbacks</th></tr>"]
+    for name, (d, metrics) in runs.items():
+        val = series(metrics, "val/reward/em")
+        trained = [r for r in metrics if "reward/mean" in r]
+        evaluation, _ = _read_json(d / "eval" / "eval_search.json")   # where bench_learning.py puts it
+        final = (f"{evaluation['macro']['em']:.3f} on {evaluation.get('n', '?')}"
+                 if isinstance(evaluation, dict) and "macro" in evaluation else "–")
+        curve = (f"{val[0][1]:.3f} → {val[-1][1]:.3f} ({max(v for _, v in val):.3f})" if val else "–")
+        rollbacks = max((r.get("health/rollbacks", 0) for r in metrics), default=0)
+        rows.append(f'<tr><td><i class="sw" style="background:{colours[name]}"></i>{escape(name)}</td>'
+                    f'<td class="num">{len(trained)}</td><td class="num">{curve}</td><td class="num">{final}</td>'
+                    f'<td class="num">{rollbacks:g}</td></tr>')
+    figures = []
+    for title, key in COMPARE:
+        lines = {name: s for name, (_, metrics) in runs.items() if (s := series(metrics, key))}
+        if lines:
+            figures.append(f"<figure><figcaption>{escape(title)} <code>{escape(key)}</code></figcaption>"
+                           f"{line_chart(lines, colours=colours)}</figure>")
+    legend = _legend([(name, colours[name]) for name in runs])
+    page = (f"<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\"><title>Search-R1: "
+            f"{len(runs)} runs compared</title><style>{CSS}</style></head>\n<body>\n<header><h1>{len(runs)} runs "
+            f"compared</h1></header>\n<section><h2>Where each run ended</h2><table>{''.join(rows)}</table></section>\n"
+            f'<section><h2>Curves</h2>{legend}<div class="grid">{"".join(figures)}</div></section>\n</body></html>\n')
+    out = Path(out) if out else Path(run_dirs[0]).resolve().parent / "compare.html"
     out.write_text(page, encoding="utf-8")
     return out
 
@@ -183,8 +235,9 @@ def _fmt(v: float) -> str:
     return f"{v:.4g}"
 
 
-def line_chart(lines: dict[str, list[tuple[int, float]]], width=380, height=160) -> str:
-    """An SVG with one polyline per metric (points = its logged steps), axes with round ticks."""
+def line_chart(lines: dict[str, list[tuple[int, float]]], width=380, height=160, colours: dict | None = None) -> str:
+    """An SVG with one polyline per metric (points = its logged steps), axes with round ticks;
+    `colours`: each line's colour by key (default: the palette in order)."""
     left, right, top, bottom = 50, 10, 8, 22
     xs = [x for pts in lines.values() for x, _ in pts]
     ys = [y for pts in lines.values() for _, y in pts]
@@ -211,7 +264,7 @@ def line_chart(lines: dict[str, list[tuple[int, float]]], width=380, height=160)
                      f'<text class="ylab" x="{left - 4}" y="{py(y) + 3:.1f}">{_fmt(y)}</text>')
     for x in range(math.ceil(x0 / xstep) * xstep, x1 + 1, xstep):
         parts.append(f'<text class="xlab" x="{px(x):.1f}" y="{height - 6}">{x}</text>')
-    for (key, pts), colour in zip(lines.items(), _cycle(PALETTE)):
+    for (key, pts), colour in zip(lines.items(), [colours[k] for k in lines] if colours else _cycle(PALETTE)):
         coords = " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in pts)
         parts.append(f'<polyline class="series" data-key="{escape(key)}" stroke="{colour}" points="{coords}">'
                      f"<title>{escape(key)}</title></polyline>")

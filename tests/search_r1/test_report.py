@@ -229,6 +229,33 @@ def test_cli(run_dir, tmp_path, capsys):
     assert (tmp_path / "r.html").is_file() and "r.html" in capsys.readouterr().out
 
 
+def test_several_runs_are_compared_side_by_side(tmp_path, capsys):
+    first = make_run(tmp_path / "a")
+    second = first.parent.parent / "b" / "run-lr"
+    second.mkdir(parents=True)
+    rows = [{"step": 0, "val/reward/em": 0.4}, {"step": 1, "reward/mean": 0.2, "reward/flat_groups": 1.0},
+            {"step": 2, "reward/mean": 0.3, "health/rollbacks": 1, "val/reward/em": 0.5}]
+    (second / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (second / "eval").mkdir()
+    (second / "eval" / "eval_search.json").write_text(json.dumps({"n": 375, "macro": {"em": 0.52}}))
+    parser = argparse.ArgumentParser(prog="search-r1")
+    add_parser(parser.add_subparsers(dest="cmd", required=True))
+    args = parser.parse_args(["report", str(first), str(second), "--out", str(tmp_path / "c.html")])
+    args.func(args)
+    assert "comparison written" in capsys.readouterr().out
+    tags = parse((tmp_path / "c.html").read_text())
+    # a line per run in each chart where the run has the metric, each run in one colour throughout
+    lines = [(a["data-key"], a["stroke"], len(a["points"].split())) for t, a in tags.tags if t == "polyline"]
+    assert ("run-lr", lines[0][1] if lines[0][0] == "run-lr" else lines[1][1], 2) in lines   # validation: steps 0, 2
+    assert len({stroke for key, stroke, _ in lines if key == "run"}) == 1
+    assert {stroke for key, stroke, _ in lines if key == "run"} != {stroke for key, stroke, _ in lines if key == "run-lr"}
+    assert sum(key == "run-lr" for key, _, _ in lines) == 3   # validation EM, training reward, flat groups
+    html = (tmp_path / "c.html").read_text()
+    assert "0.400 → 0.500 (0.500)" in html and "0.520 on 375" in html
+    with pytest.raises(ValueError, match="same directory name"):
+        report.write_comparison([first, first])
+
+
 # -- a real browser ----------------------------------------------------------------------------------
 
 def read_png(path: Path) -> np.ndarray:
