@@ -37,6 +37,7 @@ from typing import Callable
 import torch
 
 from search_r1.agent.loop import AgentConfig, SearchAgent
+from search_r1.data.bundled import with_article
 from search_r1.data.templates import make_prompt, make_prompt_text
 
 log = logging.getLogger(__name__)
@@ -217,7 +218,7 @@ def make_bundled_trajectories(questions: list[dict], search_fn: SearchFn, tokeni
                 dropped[kind] += 1
                 continue
             if kind == "city_country":
-                plan, found = f"I need to find which country {city} is in.", f"{city} is in {answer}."
+                plan, found = f"I need to find which country {city} is in.", f"{city} is in {with_article(answer)}."
             else:
                 plan, found = (f"I need to find the time zone of {city}.",
                                f"{city} is in the {answer} time zone.")
@@ -238,10 +239,11 @@ def make_bundled_trajectories(questions: list[dict], search_fn: SearchFn, tokeni
                 ("model", b.model_ids(b.segment(f"I need to find which country {city} is in, then its {what}.",
                                                "search", city))),
                 ("observation", obs1_ids),
-                ("model", b.model_ids(b.segment(f"{city} is in {country}. Now I need the {what} of {country}.",
+                ("model", b.model_ids(b.segment(f"{city} is in {with_article(country)}. Now I need the {what} of "
+                                               f"{with_article(country)}.",
                                                "search", f"{country} {what}"))),
                 ("observation", obs2_ids),
-                ("model", b.model_ids(b.segment(f"The passage says the {what} of {country} is {article}{answer}.",
+                ("model", b.model_ids(b.segment(f"The passage says the {what} of {with_article(country)} is {article}{answer}.",
                                                "answer", answer))),
             ]
         examples.append(b.example(b.question_prompt_ids(q["question"]), turns, meta))

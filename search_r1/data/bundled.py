@@ -180,7 +180,7 @@ def _join(items: list[str]) -> str:
     return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
 
 
-def _with_article(name: str) -> str:
+def with_article(name: str) -> str:
     """'the United States', 'the Philippines', but 'France': for running text, not answers."""
     plural_or_formal = (name.startswith(("United ", "Republic ", "Democratic "))
                         or name.endswith(("Islands", "Republic", "Territory", "Territories"))
@@ -190,7 +190,7 @@ def _with_article(name: str) -> str:
 
 
 def _country_passage(c: dict) -> str:
-    subject = _with_article(c["name"])
+    subject = with_article(c["name"])
     subject = subject[0].upper() + subject[1:]
     if c["aliases"]:
         subject += f" (also called {', '.join(c['aliases'])})"
@@ -212,7 +212,7 @@ def _country_passage(c: dict) -> str:
 
 
 def _city_passage(city: dict, country: dict) -> str:
-    return (f'"{city["name"]}"\n{city["name"]} is a city in {_with_article(country["name"])} '
+    return (f'"{city["name"]}"\n{city["name"]} is a city in {with_article(country["name"])} '
             f'with a population of {city["population"]:,}. '
             f'It lies in the {city["timezone"]} time zone.')
 

@@ -247,3 +247,32 @@ def test_rollback_saves_the_starting_state_so_the_first_steps_can_go_back(tmp_pa
     trainer.fit()
     assert trainer.policy.loaded == [0] and trainer.health.rollbacks == 1
     assert 0 in checkpoint.complete_steps(tmp_path / "checkpoints")
+
+
+# ---------------------------------------------------------------- the metrics the signs read
+
+class _Tokenizer:
+    def batch_decode(self, ids, skip_special_tokens=True):
+        return ["".join(chr(i) for i in seq) for seq in ids]
+
+
+def test_scoring_reports_flat_groups_and_trajectories_without_an_action():
+    from verl.batch import pack_trajectories
+    from verl.workers.rollout.agent_loop import TrajectoryStats
+    cfg = TrainerConfig()
+    cfg.reward.function = "search_r1.rewards:score_for"
+    cfg.reward.search_cost = 0.1   # reaches the reward function as a keyword argument
+    sampler = PromptSampler([Example([1], "nq", "a", 0)], batch_size=1, shuffle=False, seed=0)
+    trainer = PPOTrainer(cfg, None, None, None, _Tokenizer(), sampler, None, _Tracker(), 1, "cpu")
+    right = "<think>x</think><search>q</search><information>Paris</information><think>y</think><answer>Paris</answer>"
+    texts = [right, "<answer>Lyon</answer>", "no tags at all", "no tags either"]
+    batch = pack_trajectories([[1]] * 4, [[ord(c) for c in t] for t in texts], [[1] * len(t) for t in texts],
+                              [0, 0, 1, 1], 0)
+    batch.info = {"response_ids": [[ord(c) for c in t] for t in texts], "data_source": ["nq"] * 4,
+                  "ground_truth": [{"target": ["Paris"]}] * 4,
+                  "stats": [TrajectoryStats("answer", 9, 9, tool_calls=1), TrajectoryStats("answer", 3, 3),
+                            TrajectoryStats("eos", 3, 3), TrajectoryStats("length", 3, 3)]}
+    rewards, metrics = trainer.score(batch)
+    assert rewards.tolist() == pytest.approx([0.9, 0.0, 0.0, 0.0])   # EM 1 less one search at 0.1
+    assert metrics["reward/flat_groups"] == 0.5          # group 1's rewards are all 0
+    assert metrics[NO_ACTION] == 0.5                      # two neither searched nor answered
