@@ -119,6 +119,10 @@ class ActorConfig:
     ppo_micro_batch_size: int = key(64, "trajectories per forward/backward of the actor (also per forward of the "
                                         "old log-probs), summed over all GPUs")
     ppo_epochs: int = key(1, "passes over each step's trajectories (the critic's too)")
+    old_log_probs: str = key("auto", "auto: where a training step is one optimizer step on its own samples "
+                                     "(ppo_epochs 1, ppo_mini_batch_size = all trajectories, no KL in the reward), "
+                                     "the update's own forward gives the log-probs the ratio starts from, and the "
+                                     "separate pass over the batch is skipped | recompute: always that pass")
     grad_clip: float = key(1.0, "largest global gradient norm, clipped above it (the critic's too)")
     clip_ratio_low: float = key(0.2, "PPO clip: the probability ratio is clipped below at 1 - clip_ratio_low")
     clip_ratio_high: float = key(0.2, "PPO clip: the probability ratio is clipped above at 1 + clip_ratio_high")
@@ -468,6 +472,9 @@ def _check_original_keys(cfg: TrainerConfig) -> None:
         raise ConfigError(f"retriever.max_failure_rate={cfg.retriever.max_failure_rate}: give the share of "
                           "searching trajectories whose search may fail before the run stops, in [0, 1]")
     _read_original_reward_keys(cfg)
+    if cfg.actor_rollout_ref.actor.old_log_probs not in ("auto", "recompute"):
+        raise ConfigError(f"actor_rollout_ref.actor.old_log_probs={cfg.actor_rollout_ref.actor.old_log_probs!r}: "
+                          "use auto or recompute")
     health = cfg.trainer.health
     if health.action not in ("warn", "stop", "rollback"):
         raise ConfigError(f"trainer.health.action={health.action!r}: use warn, stop or rollback")

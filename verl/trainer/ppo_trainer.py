@@ -75,6 +75,12 @@ class PPOTrainer:
         self.out_dir = cfg.trainer.default_local_dir
         self.step = 0
         self.health = HealthWatch(cfg.trainer.health)
+        actor = cfg.actor_rollout_ref.actor
+        # One optimizer step on the step's own samples: the log-probs before the update are those of
+        # the update's forward, so the separate pass would compute them twice.
+        self.old_from_update = (sizes is not None and actor.old_log_probs == "auto" and actor.ppo_epochs == 1
+                                and sizes.mini_batch_trajectories_per_worker >= sizes.trajectories_per_worker
+                                and not cfg.algorithm.use_kl_in_reward)
         self.lr_scale = 1.0   # trainer.health.lr_factor per rollback
 
     # -- the step ------------------------------------------------------------------------------
@@ -86,9 +92,10 @@ class PPOTrainer:
         with t("reward"):
             batch.rewards_B, metrics = self.score(batch)
             metrics |= self.drop_failed_tool_calls(batch)
-        with t("old_log_probs"):
-            batch.old_logprobs_BR = batch.cat_responses(
-                self.on_parts(self.policy, batch, lambda w, part: w.compute_log_probs.remote(part), "old log-probs"))
+        if not self.old_from_update:
+            with t("old_log_probs"):
+                batch.old_logprobs_BR = batch.cat_responses(self.on_parts(
+                    self.policy, batch, lambda w, part: w.compute_log_probs.remote(part), "old log-probs"))
         if self.use_reference:
             with t("ref_log_probs"):
                 batch.ref_logprobs_BR = batch.cat_responses(self.on_parts(

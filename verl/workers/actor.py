@@ -89,13 +89,21 @@ class Actor(TrainedModel):
 
     def update(self, batch: RolloutBatch, mini_batch_size: int, shuffle: bool = True,
                loss_norm_length: float | None = None) -> dict[str, float]:
-        """One training step of PPO on this process's trajectories. Needs batch.old_logprobs_BR and
-        advantages_BR, and ref_logprobs_BR with `use_kl_loss`. Returns metrics averaged over
+        """One training step of PPO on this process's trajectories. Needs batch.advantages_BR, and
+        old_logprobs_BR unless the step is one optimizer step on its own samples (then they are the
+        forward's own), and ref_logprobs_BR with `use_kl_loss`. Returns metrics averaged over
         micro-batches (pg_loss, entropy, clipfrac, approx_kl, kl_loss) and optimizer steps (grad_norm).
         `loss_norm_length`: the constant of the seq-mean-token-sum-norm aggregation (Dr.GRPO)."""
         cfg = self.cfg
-        if batch.old_logprobs_BR is None or batch.advantages_BR is None:
-            raise ValueError("actor update needs batch.old_logprobs_BR and batch.advantages_BR")
+        if batch.advantages_BR is None:
+            raise ValueError("actor update needs batch.advantages_BR")
+        # Without old log-probs the update must be one optimizer step on these samples: the ratio then
+        # starts at 1, from the log-probs of its own forward (the trainer's old_log_probs=auto).
+        on_policy = batch.old_logprobs_BR is None
+        if on_policy and not (self.ppo_epochs == 1 and len(batch) <= mini_batch_size):
+            raise ValueError("actor update needs batch.old_logprobs_BR unless it is one optimizer step (ppo_epochs 1, "
+                             f"one mini-batch): here {self.ppo_epochs} epochs of {len(batch)} trajectories in "
+                             f"mini-batches of {mini_batch_size}")
         if cfg.use_kl_loss and batch.ref_logprobs_BR is None:
             raise ValueError("use_kl_loss needs batch.ref_logprobs_BR (enable the reference model)")
 
@@ -105,7 +113,8 @@ class Actor(TrainedModel):
                     self.model, micro.input_ids_BT, micro.attention_mask_BT, micro.prompt_width, self.temperature,
                     compute_entropy=True, max_tokens_per_pack=cfg.max_tokens_per_pack,
                     entropy_grad=cfg.entropy_coeff != 0)
-            pg_loss, pg_stats = policy_loss(logprobs_BR, micro.old_logprobs_BR, micro.advantages_BR, mask_BR,
+            old_BR = logprobs_BR.detach() if on_policy else micro.old_logprobs_BR
+            pg_loss, pg_stats = policy_loss(logprobs_BR, old_BR, micro.advantages_BR, mask_BR,
                                             cfg.clip_ratio_low, cfg.clip_ratio_high, cfg.clip_ratio_c,
                                             agg=self.loss_agg, norm_length=loss_norm_length)
             entropy = agg_loss(entropy_BR, mask_BR, self.loss_agg, loss_norm_length)

@@ -268,6 +268,26 @@ def test_gradient_accumulation_equals_one_big_micro_batch(tiny_model_dir, batch)
         assert isinstance(m_small[key], float)
 
 
+def test_one_on_policy_step_takes_its_old_log_probs_from_its_own_forward(tiny_model_dir, batch):
+    """actor.old_log_probs=auto: with one epoch of one mini-batch, an update without old log-probs
+    equals the update after the separate pass that computes them."""
+    from dataclasses import replace
+    results = []
+    for separate in (True, False):
+        actor = make_actor(tiny_model_dir, ppo_epochs=1)
+        before = params_of(actor.model)
+        step = replace(batch, old_logprobs_BR=actor.compute_logprobs(batch) if separate else None)
+        metrics = actor.update(step, mini_batch_size=8, shuffle=False)
+        results.append((params_of(actor.model), metrics))
+    (p_pass, m_pass), (p_own, m_own) = results
+    assert max_diff(p_pass, before) > 1e-4   # the update did something
+    assert max_diff(p_pass, p_own) < 1e-6
+    assert m_own["pg_loss"] == pytest.approx(m_pass["pg_loss"], abs=1e-6) and m_own["clipfrac"] == 0.0
+    assert m_own["grad_norm"] == pytest.approx(m_pass["grad_norm"], rel=1e-5)
+    with pytest.raises(ValueError, match="unless it is one optimizer step"):   # two mini-batches: off-policy
+        make_actor(tiny_model_dir, ppo_epochs=1).update(replace(batch, old_logprobs_BR=None), mini_batch_size=4)
+
+
 def test_masked_positions_have_no_influence(tiny_model_dir, batch):
     """Advantages, old and reference log-probs on retrieved tokens and padding must not matter with
     state masking; without it (the ablation) advantages on retrieved tokens do matter."""

@@ -1,0 +1,33 @@
+"""PPOTrainer's choice of the separate old-log-prob pass (actor.old_log_probs)."""
+import pytest
+
+from verl.trainer.config import derive_sizes, load_config
+from verl.trainer.ppo_trainer import PPOTrainer
+from verl.utils.dataset import Example, PromptSampler
+
+
+def _trainer(**keys) -> PPOTrainer:
+    raw = {"data": {"train_files": "x", "train_batch_size": 4}, "reward": {"function": "search_r1.rewards:score_for"},
+           "actor_rollout_ref": {"model": {"path": "m"}, "rollout": {"n_agent": 2},
+                                 "actor": {"ppo_mini_batch_size": 8, "ppo_micro_batch_size": 4, "use_kl_loss": True}},
+           "algorithm": {"adv_estimator": "grpo"}, "trainer": {"n_gpus_per_node": 2}}
+    for dotted, value in keys.items():
+        *path, last = dotted.split("__")
+        node = raw
+        for part in path:
+            node = node.setdefault(part, {})
+        node[last] = value
+    cfg = load_config(raw)
+    sampler = PromptSampler([Example([1], "nq", "a", 0)], batch_size=1, shuffle=False, seed=0)
+    return PPOTrainer(cfg, derive_sizes(cfg), None, None, None, sampler, None, None, 1, "cpu")
+
+
+@pytest.mark.parametrize("keys, separate", [
+    ({}, False),                                                               # one on-policy optimizer step
+    ({"actor_rollout_ref__actor__ppo_mini_batch_size": 4}, True),              # two optimizer steps
+    ({"actor_rollout_ref__actor__ppo_epochs": 2}, True),
+    ({"actor_rollout_ref__actor__old_log_probs": "recompute"}, True),
+    ({"algorithm__use_kl_in_reward": True}, True),                              # the reward's KL reads them
+])
+def test_the_separate_pass_runs_only_where_the_update_cannot_give_the_old_log_probs(keys, separate):
+    assert _trainer(**keys).old_from_update is not separate
