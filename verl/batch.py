@@ -79,6 +79,23 @@ class RolloutBatch:
         return out
 
 
+def balanced_order(tokens: list[int], parts: int) -> list[int]:
+    """Row indices reordered so that `RolloutBatch.split(parts)` gives every part the same number of
+    rows and nearly the same number of tokens: the longest rows first, each to the part with the
+    fewest tokens that still has room. Multi-turn trajectories vary widely in length and the rows of
+    one prompt sit together, so contiguous equal splits can leave one GPU with far more work."""
+    if len(tokens) % parts:
+        raise ValueError(f"{len(tokens)} rows cannot be split into {parts} equal parts")
+    size = len(tokens) // parts
+    members: list[list[int]] = [[] for _ in range(parts)]
+    totals = [0] * parts
+    for i in sorted(range(len(tokens)), key=lambda i: -tokens[i]):
+        part = min((p for p in range(parts) if len(members[p]) < size), key=lambda p: totals[p])
+        members[part].append(i)
+        totals[part] += tokens[i]
+    return [i for part in members for i in sorted(part)]
+
+
 def _repad(b: RolloutBatch, P: int, R: int) -> RolloutBatch:
     dp, dr = P - b.prompt_width, R - (b.input_ids_BT.shape[1] - b.prompt_width)
     if dp == 0 and dr == 0:

@@ -397,6 +397,9 @@ class RunConfig:
     default_hdfs_dir: str | None = key(None, "the original's HDFS copy of checkpoints: only null (checkpoints stay "
                                              "in default_local_dir)")
     keep_last_checkpoints: int = key(2, "checkpoints kept; older ones are deleted once a newer one is complete")
+    balance_batch: bool = key(True, "several workers: reorder each step's trajectories so that every worker gets "
+                                    "the same number and nearly the same number of tokens (verl's key); the "
+                                    "update's result does not depend on the split")
     resume_mode: str = key("auto", "auto: resume from the newest checkpoint in default_local_dir that verifies | "
                                    "disable: start fresh")
     # An interpolation, resolved by load_config (OmegaConf); a RunConfig built in Python keeps it as text.

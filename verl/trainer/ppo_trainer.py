@@ -19,7 +19,7 @@ from contextlib import contextmanager
 import numpy as np
 import torch
 
-from verl.batch import RolloutBatch
+from verl.batch import RolloutBatch, balanced_order
 from verl.trainer import core_algos
 from verl.trainer.config import Sizes, TrainerConfig
 from verl.trainer.health import NO_ACTION, HealthWatch, Unhealthy, non_finite_metrics
@@ -89,6 +89,7 @@ class PPOTrainer:
         t = Timer()
         with t("rollout"):
             batch = self.rollout(examples, self.cfg.actor_rollout_ref.rollout.n_agent, greedy=False)
+        batch, balance = self.balance(batch)
         with t("reward"):
             batch.rewards_B, metrics = self.score(batch)
             metrics |= self.drop_failed_tool_calls(batch)
@@ -118,7 +119,22 @@ class PPOTrainer:
                     self.on_parts(self.policy, batch, lambda w, part: w.update_actor.remote(part), "actor update"))
             with t("weight_sync"):
                 self.policy.get([w.sync_weights.remote() for w in self.policy.workers], "weight sync", self.step)
-        return metrics | self.throughput(batch, t.seconds) | {f"timing_s/{k}": v for k, v in t.seconds.items()}
+        return (metrics | balance | self.throughput(batch, t.seconds)
+                | {f"timing_s/{k}": v for k, v in t.seconds.items()})
+
+    def balance(self, batch: RolloutBatch) -> tuple[RolloutBatch, dict]:
+        """The step's trajectories reordered so that each worker's part holds nearly the same number of
+        tokens (trainer.balance_batch); `balance/max_over_mean_tokens` says how even the parts are."""
+        world = len(self.policy.workers)
+        if world == 1 or len(batch) % world:
+            return batch, {}
+        tokens = batch.attention_mask_BT.sum(1).tolist()
+        if self.cfg.trainer.balance_batch:
+            batch = batch.select(balanced_order(tokens, world))
+            tokens = batch.attention_mask_BT.sum(1).tolist()
+        size = len(tokens) // world
+        totals = [sum(tokens[p * size:(p + 1) * size]) for p in range(world)]
+        return batch, {"balance/max_over_mean_tokens": max(totals) / (sum(totals) / world)}
 
     # -- phases --------------------------------------------------------------------------------
 

@@ -31,3 +31,21 @@ def _trainer(**keys) -> PPOTrainer:
 ])
 def test_the_separate_pass_runs_only_where_the_update_cannot_give_the_old_log_probs(keys, separate):
     assert _trainer(**keys).old_from_update is not separate
+
+
+@pytest.mark.parametrize("balance", [True, False])
+def test_the_step_is_reordered_for_even_work_across_workers(balance):
+    from types import SimpleNamespace
+    from verl.batch import pack_trajectories
+    trainer = _trainer(trainer__balance_batch=balance)
+    trainer.policy = SimpleNamespace(workers=[object(), object()])
+    lengths = [40, 38, 41, 39, 3, 2, 4, 3]   # the first prompt's samples long, the second's short
+    batch = pack_trajectories([[1]] * 8, [[7] * n for n in lengths], [[1] * n for n in lengths], [0] * 4 + [1] * 4, 0)
+    batch.info = {"stats": list(range(8))}
+    out, metrics = trainer.balance(batch)
+    halves = [sum(lengths[i] + 1 for i in out.info["stats"][h * 4:(h + 1) * 4]) for h in (0, 1)]
+    if balance:
+        assert max(halves) / (sum(halves) / 2) < 1.05 and sorted(out.info["stats"]) == list(range(8))
+    else:
+        assert out.info["stats"] == list(range(8))
+    assert metrics["balance/max_over_mean_tokens"] == pytest.approx(max(halves) / (sum(halves) / 2))
