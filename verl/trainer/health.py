@@ -96,6 +96,11 @@ class HealthWatch:
                 return before_best[-1]
         return healthy[-1]
 
+    def rolled_back(self, target: int) -> None:
+        """Checkpoints saved after `target` belong to the abandoned path: never go back to them."""
+        self.rollbacks += 1
+        self.healthy_saves = [s for s in self.healthy_saves if s <= target]
+
     def state(self) -> dict:
         return {"entropy": list(self.entropy), "no_action": list(self.no_action), "best_val": self.best_val,
                 "best_val_step": self.best_val_step, "healthy_saves": list(self.healthy_saves),

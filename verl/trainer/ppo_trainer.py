@@ -364,24 +364,28 @@ class PPOTrainer:
         if h.action == "warn":
             log.warning("%s. Training goes on (trainer.health.action=warn)", what)
             return False
-        self.tracker.log(metrics, step=self.step)  # the signs show next to the steps before them
-        if h.action == "stop":
-            raise Unhealthy(f"{what}. The run stops here (trainer.health.action=stop) without saving this step; "
-                            "rerun to resume from the last checkpoint, e.g. with a lower actor_rollout_ref.actor."
-                            "optim.lr, or set trainer.health.action=rollback.")
         from verl.trainer.checkpoint import complete_steps
         root = os.path.join(self.out_dir, "checkpoints")
-        if self.health.rollbacks >= h.max_rollbacks:
-            raise Unhealthy(f"{what}. The run stops: it has rolled back {self.health.rollbacks} times already "
-                            f"(trainer.health.max_rollbacks={h.max_rollbacks}).")
         target = self.health.rollback_target(complete_steps(root), signs)
-        if target is None:
-            raise Unhealthy(f"{what}. No checkpoint saved while healthy is left under {root} to roll back to: save "
-                            "more often (trainer.save_freq) or keep more (trainer.keep_last_checkpoints).")
+        if h.action == "stop":
+            reason = ("The run stops here (trainer.health.action=stop) without saving this step; rerun to resume "
+                      "from the last checkpoint, e.g. with a lower actor_rollout_ref.actor.optim.lr, or set "
+                      "trainer.health.action=rollback")
+        elif self.health.rollbacks >= h.max_rollbacks:
+            reason = (f"The run stops: it has rolled back {self.health.rollbacks} times already "
+                      f"(trainer.health.max_rollbacks={h.max_rollbacks})")
+        elif target is None:
+            reason = (f"No checkpoint saved while healthy is left under {root} to roll back to: save more often "
+                      "(trainer.save_freq) or keep more (trainer.keep_last_checkpoints)")
+        else:
+            reason = None
+        if reason:
+            self.tracker.log(metrics, step=self.step)  # the signs show next to the steps before them
+            raise Unhealthy(f"{what}. {reason}.")
         self.policy.get([w.load.remote(root, target) for w in self.policy.workers], "rollback", self.step)
         if self.critic is not None:
             self.critic.get([w.load.remote(root, target) for w in self.critic.workers], "rollback", self.step)
-        self.health.rollbacks += 1
+        self.health.rolled_back(target)
         self.lr_scale *= h.lr_factor
         for group in (self.policy, self.critic):
             if group is not None:

@@ -88,6 +88,8 @@ def test_the_rollback_target_is_the_newest_healthy_checkpoint_kept():
     watch.best_val_step = 2   # a validation drop goes back to a checkpoint from before the best, if kept
     assert watch.rollback_target([2, 4, 6], ["validation EM 0.1 …"]) == 2
     assert watch.rollback_target([4, 6], ["validation EM 0.1 …"]) == 4
+    watch.rolled_back(2)   # checkpoints saved after the target belong to the abandoned path
+    assert watch.rollbacks == 1 and watch.rollback_target([2, 4, 6], ["entropy …"]) == 2
 
 
 def test_the_watch_state_round_trips():
@@ -204,6 +206,8 @@ def test_rollback_goes_to_the_last_healthy_checkpoint_with_a_lower_rate(tmp_path
     assert trainer.health.rollbacks == 1 and trainer.step == 8
     # step 5's state was discarded: not saved; the steps after it train on from step 4's weights
     assert checkpoint.complete_steps(tmp_path / "checkpoints") == [4, 6, 8]   # 3 kept, none of step 5
+    steps = [step for step, _ in trainer.tracker.logged]
+    assert steps == sorted(set(steps))   # each step logged once, in order
     logged = dict(trainer.tracker.logged)
     assert logged[5]["health/alarms"] == 1 and logged[5]["health/rollbacks"] == 1
     assert "Rolled back to the checkpoint of step 4" in caplog.text and "0.1× the configured" in caplog.text
