@@ -157,7 +157,7 @@ class PPOTrainer:
         return batch
 
     def score(self, batch: RolloutBatch) -> tuple[torch.Tensor, dict]:
-        rewards, em, by_source = [], [], defaultdict(list)
+        rewards, em, answered, by_source = [], [], [], defaultdict(list)
         texts = self.tokenizer.batch_decode(batch.info["response_ids"], skip_special_tokens=True)
         batch.info["response_text"] = texts
         for text, source, gt in zip(texts, batch.info["data_source"], batch.info["ground_truth"]):
@@ -165,6 +165,8 @@ class PPOTrainer:
             score = float(getattr(result, "score", result))
             rewards.append(score)
             em.append(float(getattr(result, "em", score)))
+            # the reward's reading where it has one (a tool-protocol answer ends its turn with eos)
+            answered.append(result.answer is not None if hasattr(result, "answer") else None)
             by_source[source].append(em[-1])
         stats = batch.info["stats"]  # TrajectoryStats, one per trajectory
         metrics = {"reward/mean": float(np.mean(rewards)), "reward/em": float(np.mean(em)),
@@ -176,7 +178,8 @@ class PPOTrainer:
             metrics[f"agent/{name}"] = float(np.mean([s.metrics[name] for s in stats if name in s.metrics]))
         for reason in {s.finish for s in stats}:
             metrics[f"agent/finish_{reason}"] = float(np.mean([s.finish == reason for s in stats]))
-        metrics[NO_ACTION] = float(np.mean([s.tool_calls == 0 and s.finish != "answer" for s in stats]))
+        metrics[NO_ACTION] = float(np.mean([s.tool_calls == 0 and not (a if a is not None else s.finish == "answer")
+                                            for s, a in zip(stats, answered)]))
         # Groups whose rewards are all equal give GRPO no signal (their advantages are 0).
         groups = defaultdict(set)
         for gid, r in zip(batch.group_ids_B.tolist(), rewards):

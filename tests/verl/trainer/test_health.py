@@ -274,7 +274,8 @@ def test_scoring_reports_flat_groups_and_trajectories_without_an_action():
                               [0, 0, 1, 1], 0)
     batch.info = {"response_ids": [[ord(c) for c in t] for t in texts], "data_source": ["nq"] * 4,
                   "ground_truth": [{"target": ["Paris"]}] * 4,
-                  "stats": [TrajectoryStats("answer", 9, 9, tool_calls=1), TrajectoryStats("answer", 3, 3),
+                  # the second answered in a turn that ended with eos, as the tool-calling loop records it
+                  "stats": [TrajectoryStats("answer", 9, 9, tool_calls=1), TrajectoryStats("eos", 3, 3),
                             TrajectoryStats("eos", 3, 3), TrajectoryStats("length", 3, 3)]}
     rewards, metrics = trainer.score(batch)
     assert rewards.tolist() == pytest.approx([0.9, 0.0, 0.0, 0.0])   # EM 1 less one search at 0.1
