@@ -60,7 +60,9 @@ def test_quick(script, tmp_path):
         assert [row["step"] for row in rows] == [1]
         assert all(row["shape"] == "tiny" and len(row["tag_bias"]) == 2 for row in rows)  # both search tags
         assert all(row["phases_s"][phase] > 0 for row in rows
-                   for phase in ("rollout", "old_log_probs", "ref_log_probs", "update_actor", "weight_sync", "step"))
+                   for phase in ("rollout", "ref_log_probs", "update_actor", "weight_sync", "step"))
+        # one optimizer step a step: the update's own forward gives the old log-probs (actor.old_log_probs=auto)
+        assert all("old_log_probs" not in row["phases_s"] for row in rows)
         assert all(row["throughput/generated_tokens_per_s"] > 0 and row["throughput/train_tokens_per_s"] > 0
                    and row["grad_norm"] > 0 for row in rows)
     if script == "bench_actor_update.py":  # --quick: both attentions, the same update

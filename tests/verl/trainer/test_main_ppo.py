@@ -87,10 +87,13 @@ def test_grpo_two_steps(grpo_two_steps):
     assert [r["step"] for r in steps] == [1, 2]
     for r in steps:
         for key in ("reward/mean", "pg_loss", "grad_norm", "kl_loss", "entropy", "clipfrac", "lr",
-                    "timing_s/rollout", "timing_s/old_log_probs", "timing_s/ref_log_probs",
+                    "timing_s/rollout", "timing_s/ref_log_probs",
                     "timing_s/update_actor", "timing_s/weight_sync", "agent/searches",
-                    "throughput/generated_tokens_per_s"):
+                    "throughput/generated_tokens_per_s", "balance/max_over_mean_tokens", "reward/flat_groups",
+                    "health/no_action_share", "health/alarms"):
             assert key in r, key
+        # one optimizer step on the step's own samples: no separate old-log-prob pass (actor.old_log_probs=auto)
+        assert "timing_s/old_log_probs" not in r and r["clipfrac"] == 0
         assert r["grad_norm"] > 0 and r["reward/mean"] > 0  # the policy really moved
     assert steps[1]["kl_loss"] > 0  # step 2 samples come from the updated policy, unlike the reference
     assert "val/reward/em" in rows[0]
@@ -135,6 +138,7 @@ def test_ppo_with_critic_warmup(tiny_model_dir, bundled_data, bm25_server, tmp_p
     first, second = [r for r in rows if r["step"] > 0]
     assert "timing_s/update_critic" in first and first["critic/vf_loss"] > 0 and "critic/grad_norm" in first and "timing_s/update_actor" not in first
     assert "timing_s/update_actor" in second and second["grad_norm"] > 0
+    assert "timing_s/old_log_probs" in second   # the KL in the reward reads them: the separate pass runs
 
 
 def test_val_only_validates_once_and_trains_nothing(tiny_model_dir, bundled_data, bm25_server, tmp_path):
