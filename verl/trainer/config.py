@@ -475,18 +475,6 @@ def _check_original_keys(cfg: TrainerConfig) -> None:
         raise ConfigError(f"retriever.max_failure_rate={cfg.retriever.max_failure_rate}: give the share of "
                           "searching trajectories whose search may fail before the run stops, in [0, 1]")
     _read_original_reward_keys(cfg)
-    if cfg.actor_rollout_ref.actor.old_log_probs not in ("auto", "recompute"):
-        raise ConfigError(f"actor_rollout_ref.actor.old_log_probs={cfg.actor_rollout_ref.actor.old_log_probs!r}: "
-                          "use auto or recompute")
-    health = cfg.trainer.health
-    if health.action not in ("warn", "stop", "rollback"):
-        raise ConfigError(f"trainer.health.action={health.action!r}: use warn, stop or rollback")
-    if health.action == "rollback" and cfg.trainer.save_freq <= 0:
-        raise ConfigError("trainer.health.action=rollback rolls back to a checkpoint: set trainer.save_freq > 0 "
-                          "(steps between checkpoints)")
-    if not 0.0 < health.lr_factor <= 1.0 or health.window < 3 or health.max_rollbacks < 0:
-        raise ConfigError(f"trainer.health: lr_factor={health.lr_factor} must lie in (0, 1], window="
-                          f"{health.window} be at least 3 and max_rollbacks={health.max_rollbacks} at least 0")
     if cfg.trainer.critic_warmup < 0:
         raise ConfigError(f"trainer.critic_warmup={cfg.trainer.critic_warmup}: give the step from which the actor "
                           "is updated (0: from the first step)")
@@ -569,6 +557,18 @@ def _check_ranges(cfg: TrainerConfig) -> None:
         if not 0.0 <= ratio <= 1.0:
             raise ConfigError(f"{key} = {ratio}: use the fraction of decoder layers recomputed in backward, "
                               f"in [0, 1] (1.0: all; 0 or enable_gradient_checkpointing=false: none)")
+    if cfg.actor_rollout_ref.actor.old_log_probs not in ("auto", "recompute"):
+        raise ConfigError(f"actor_rollout_ref.actor.old_log_probs={cfg.actor_rollout_ref.actor.old_log_probs!r}: "
+                          "use auto or recompute")
+    health = cfg.trainer.health
+    if health.action not in ("warn", "stop", "rollback"):
+        raise ConfigError(f"trainer.health.action={health.action!r}: use warn, stop or rollback")
+    if health.action == "rollback" and cfg.trainer.save_freq <= 0:
+        raise ConfigError("trainer.health.action=rollback rolls back to a checkpoint: set trainer.save_freq > 0 "
+                          "(steps between checkpoints)")
+    if not 0.0 < health.lr_factor <= 1.0 or health.window < 3 or health.max_rollbacks < 0:
+        raise ConfigError(f"trainer.health: lr_factor={health.lr_factor} must lie in (0, 1], window="
+                          f"{health.window} be at least 3 and max_rollbacks={health.max_rollbacks} at least 0")
 
 
 @dataclass
