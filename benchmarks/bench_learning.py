@@ -17,9 +17,10 @@ Each variant is the demo's `gpu` preset (SmolLM2-135M-Instruct, 32 prompts × 5 
 All variants share one BM25 server over the bundled corpus and the same seeds. `--slots` lists the GPU
 of every run that may go at once (`0,0,1,1`: two runs on each of GPUs 0 and 1); variants wait for a
 free slot, in the order given. Runs that share a GPU keep their engine awake while they train
-(`rollout.enable_sleep=false`: vLLM's sleep fails when another process allocates on the GPU meanwhile),
-and they slow each other down: compare variants at equal steps, not equal minutes. After training, each final model is evaluated greedily on every test
-question, with EM per question type and hop count.
+(`rollout.enable_sleep=false`: vLLM's sleep fails when another process allocates on the GPU
+meanwhile), and they slow each other down: compare variants at equal steps, not equal minutes.
+After training, each final model is evaluated greedily on every test question, with EM per
+question type and hop count.
 
 Writes DIR/<variant>/ (the run: metrics.jsonl, samples, eval_*), DIR/results.json, DIR/compare.html
 (`search-r1 report` over the runs: their curves side by side) and prints a
@@ -153,8 +154,9 @@ class Job:
             return True
         mode = self.evals.pop(0)
         self.phase = f"eval {mode}"
-        self.proc = run_logged(eval_cmd(self.dir / "hf_actor", self.data["test"], self.url, self.dir / "eval", mode,
-                                        self.v.topk, self.memory, self.eval_limit), self.dir / f"eval_{mode}.log", gpu_env(self.gpu))
+        cmd = eval_cmd(self.dir / "hf_actor", self.data["test"], self.url, self.dir / "eval", mode, self.v.topk,
+                       self.memory, self.eval_limit)
+        self.proc = run_logged(cmd, self.dir / f"eval_{mode}.log", gpu_env(self.gpu))
         return False
 
 

@@ -60,7 +60,8 @@ class HealthWatch:
         if c.max_kl is not None and kl is not None and kl > c.max_kl:
             signs.append(f"KL to the reference {kl:.3g} is above trainer.health.max_kl={c.max_kl:g}")
         val = metrics.get("val/reward/em")
-        if c.val_drop is not None and val is not None and self.best_val is not None and val < self.best_val - c.val_drop:
+        if c.val_drop is not None and val is not None and self.best_val is not None \
+                and val < self.best_val - c.val_drop:
             signs.append(f"validation EM {val:.3f} is more than {c.val_drop:g} below its best {self.best_val:.3f} "
                          f"(step {self.best_val_step}; trainer.health.val_drop)")
         share = metrics.get(NO_ACTION)
