@@ -10,6 +10,8 @@ Each variant is the demo's `gpu` preset (SmolLM2-135M-Instruct, 32 prompts × 5 
 - `start=sft` (default): from the demo's SFT warm start, made once and shared by every such variant;
   `start=base`: from the bundled instruct model itself (reinforcement learning alone);
 - `template=NAME`: the prompt template of its training and test rows (search_r1.data.templates);
+- `types=T1,T2`: only these bundled question types in its training rows (e.g. the one-hop ones, the
+  first stage of a curriculum); validation and evaluation keep every type;
 - `eval=search,rag,no-search`: the modes its final model is evaluated in (default: search; none: no
   evaluation, the validation curve only);
 - `eval_topk=K`: passages per search in its final evaluation (default: retriever.topk of the variant, or 3);
@@ -45,7 +47,6 @@ sys.path.insert(0, str(ROOT))
 
 from search_r1.demo import MAX_OBS, MAX_TURNS, PRESETS, build_index, grpo_overrides, start_server, stop  # noqa: E402
 
-RUNNER_KEYS = ("start", "template", "eval", "eval_topk")
 
 
 @dataclass
@@ -53,6 +54,7 @@ class Variant:
     name: str
     start: str = "sft"
     template: str = "instruct"
+    types: str = ""               # bundled question types of the training rows, comma-separated; "": all
     evals: list[str] = field(default_factory=lambda: ["search"])
     eval_topk: int | None = None
     overrides: dict[str, str] = field(default_factory=dict)
@@ -71,6 +73,8 @@ class Variant:
                 v.start = value
             elif key == "template":
                 v.template = value
+            elif key == "types":
+                v.types = value
             elif key == "eval":
                 v.evals = [] if value == "none" else value.split(",")
             elif key == "eval_topk":
@@ -103,13 +107,16 @@ def gpu_env(gpu: str) -> dict:
     return os.environ | {"CUDA_VISIBLE_DEVICES": gpu}
 
 
-def prepare_data(out: Path, template: str) -> dict[str, Path]:
-    paths = {split: out / "data" / f"{template}_{split}.parquet" for split in ("train", "test")}
+def prepare_data(out: Path, template: str, types: str) -> dict[str, Path]:
+    """Training rows of `types` (all when empty) and every test row, in `template`."""
+    tag = f"{template}_{types.replace(',', '+')}" if types else template
+    paths = {"train": out / "data" / f"{tag}_train.parquet", "test": out / "data" / f"{template}_test.parquet"}
     for split, path in paths.items():
         if not path.exists():
             path.parent.mkdir(parents=True, exist_ok=True)
+            only = ["--bundled-types", types] if split == "train" and types else []
             subprocess.run([sys.executable, "-m", "search_r1.data.preprocess", "--bundled", "--split", split,
-                            "--template", template, "--out", str(path)], check=True, capture_output=True)
+                            "--template", template, *only, "--out", str(path)], check=True, capture_output=True)
     return paths
 
 
@@ -216,11 +223,12 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", required=True)
     p.add_argument("--variant", action="append", required=True, help="NAME [start=sft|base] [template=T] "
-                   "[eval=search,rag,no-search] [eval_topk=K] [trainer.key=value ...]")
+                   "[types=T1,T2] [eval=search,rag,no-search] [eval_topk=K] [trainer.key=value ...]")
     p.add_argument("--slots", default="0", help="the GPU of each run that may go at once, e.g. 0,0,1,1")
     p.add_argument("--minutes", type=float, default=10.0, help="GRPO minutes per variant (trainer.time_limit_minutes)")
     p.add_argument("--memory", type=float, default=0.3, help="vLLM's share of GPU memory per run")
-    p.add_argument("--eval-limit", type=int, default=None, help="test questions in the final evaluations (default: all)")
+    p.add_argument("--eval-limit", type=int, default=None,
+                   help="test questions in the final evaluations (default: all)")
     a = p.parse_args(argv)
     variants = [Variant.parse(s) for s in a.variant]
     if len({v.name for v in variants}) != len(variants):
@@ -235,7 +243,7 @@ def main(argv=None) -> int:
     t0 = time.time()
     model = Path(materialize_smollm2(out / "smollm2"))
     retriever_args = build_index("bm25", Path(bundled_paths()["corpus"]), out, out / "logs" / "index.log")
-    data = {t: prepare_data(out, t) for t in {v.template for v in variants}}
+    data = {(v.template, v.types): prepare_data(out, v.template, v.types) for v in variants}
     server, url = start_server(retriever_args, out / "logs" / "retrieval_server.log")
     slots = a.slots.split(",")
     free, running, done = list(slots), [], []
@@ -267,7 +275,7 @@ def main(argv=None) -> int:
                 pending.remove(v)
                 start_model = sft_model if v.start == "sft" else model
                 gpu = free.pop(0)
-                running.append(Job(v, gpu, out, start_model, data[v.template], url, a.minutes, a.memory,
+                running.append(Job(v, gpu, out, start_model, data[(v.template, v.types)], url, a.minutes, a.memory,
                                    a.eval_limit, shared=slots.count(gpu) > 1))
                 print(f"[{(time.time() - t0) / 60:5.1f} min] {v.name}: started", flush=True)
                 time.sleep(5)   # engines start one after another on a shared GPU

@@ -10,10 +10,12 @@ Deviation from the original scripts: `extra_info.index` runs over all merged sou
 unique in a file and can serve as the prompt's group id; the original restarted it at 0 for each
 source, which made ids collide when NQ and HotpotQA were trained on together.
 
-The template is one of ours (`--template base|instruct|tool`; `tool` writes verl's search-tool
-rows: a system message and `extra_info.tools_kwargs`, for the tool-calling protocol) or the user's (`--template-file FILE`, a
-format string with the placeholders of `templates.PLACEHOLDERS`), so data can be rebuilt with the
-exact prompt of earlier runs; the trainer feeds the prompt as written.
+The template is one of ours (`--template base|instruct|example|tool`; `tool` writes verl's
+search-tool rows: a system message and `extra_info.tools_kwargs`, for the tool-calling protocol) or
+the user's (`--template-file FILE`, a format string with the placeholders of
+`templates.PLACEHOLDERS`), so data can be rebuilt with the exact prompt of earlier runs; the trainer
+feeds the prompt as written. `--bundled-types` keeps only some of the bundled question types (a
+curriculum's first stage: the one-hop ones).
 
 Sources, merged in this order:
 - FlashRAG datasets by name (`--sources nq,hotpotqa`), from the Hugging Face hub or from a local
@@ -184,8 +186,9 @@ def write_parquet(rows: list[dict], path: str | os.PathLike) -> Path:
 
 
 def collect_sources(names: list[str], local: list[str], use_bundled: bool, split: str,
-                    loader: Loader) -> list[tuple[str, list[dict]]]:
-    """(data_source, records): FlashRAG datasets first, then local files, then the bundled task."""
+                    loader: Loader, bundled_types: list[str] | None = None) -> list[tuple[str, list[dict]]]:
+    """(data_source, records): FlashRAG datasets first, then local files, then the bundled task (only
+    the question types in `bundled_types`, when given: e.g. the one-hop ones for a curriculum)."""
     sources = []
     for name in names:
         if name not in FLASHRAG_SOURCES:
@@ -200,7 +203,14 @@ def collect_sources(names: list[str], local: list[str], use_bundled: bool, split
     if use_bundled:
         if split not in ("train", "test"):
             raise ValueError(f"The bundled task has train and test splits, not {split!r}.")
-        sources.append((bundled.DATA_SOURCE, bundled.read_jsonl(bundled.bundled_paths()[split])))
+        records = bundled.read_jsonl(bundled.bundled_paths()[split])
+        if bundled_types:
+            known = [qtype for qtype, _, _ in bundled.QUESTION_TYPES]
+            if unknown := sorted(set(bundled_types) - set(known)):
+                raise ValueError(f"--bundled-types {','.join(unknown)}: the bundled question types are "
+                                 f"{','.join(known)}")
+            records = [r for r in records if r["type"] in bundled_types]
+        sources.append((bundled.DATA_SOURCE, records))
     return sources
 
 
@@ -213,6 +223,9 @@ def main(argv: list[str] | None = None, loader: Loader | None = None) -> Path:
                         help="a local JSONL/parquet file with question and golden_answers; "
                              "NAME becomes data_source (repeatable)")
     parser.add_argument("--bundled", action="store_true", help="add the bundled geography task")
+    parser.add_argument("--bundled-types", default="", metavar="TYPES",
+                        help="only these bundled question types, comma-separated (e.g. city_country,city_timezone: "
+                             "the one-hop ones); default: all")
     parser.add_argument("--split", default="train", help="train, dev or test")
     prompt = parser.add_mutually_exclusive_group()
     prompt.add_argument("--template", default="instruct", choices=sorted(TEMPLATES),
@@ -238,7 +251,8 @@ def main(argv: list[str] | None = None, loader: Loader | None = None) -> Path:
                      else TEMPLATES[args.template])
     if loader is None:
         loader = local_dir_loader(args.local_dir) if args.local_dir else hub_loader
-    rows = build_rows(collect_sources(names, args.local, args.bundled, args.split, loader),
+    types = [t.strip() for t in args.bundled_types.split(",") if t.strip()]
+    rows = build_rows(collect_sources(names, args.local, args.bundled, args.split, loader, types),
                       args.split, template_text, tool=args.template == "tool")
     path = write_parquet(rows, args.out)
     log.info("wrote %d rows to %s", len(rows), path)

@@ -14,6 +14,7 @@ def test_a_variant_spec_splits_into_runner_words_and_trainer_keys():
     assert (v.name, v.start, v.template, v.evals, v.topk) == ("rl", "base", "example", ["search", "rag"], 1)
     assert v.overrides == {"retriever.topk": "1", "reward.search_cost": "0.1"}
     assert Variant.parse("curve-only eval=none").evals == []
+    assert Variant.parse("one-hop types=city_country,city_timezone").types == "city_country,city_timezone"
     assert Variant.parse("plain").start == "sft" and Variant.parse("plain").topk == 3
     with pytest.raises(SystemExit, match="start=scratch"):
         Variant.parse("x start=scratch")

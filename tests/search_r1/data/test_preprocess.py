@@ -156,6 +156,16 @@ def test_bad_inputs_explain_themselves(tmp_path):
         preprocess.collect_sources([], [str(bad)], False, "train", FakeHub())
     with pytest.raises(ValueError, match="train and test"):
         preprocess.collect_sources([], [], True, "dev", FakeHub())
+    with pytest.raises(ValueError, match="city_country,city_timezone"):
+        preprocess.collect_sources([], [], True, "test", FakeHub(), ["city_capital"])
+
+
+def test_bundled_types_keep_only_those_questions(tmp_path):
+    # a curriculum's first stage: the one-hop questions alone
+    out = preprocess.main(["--bundled", "--split", "test", "--bundled-types", "city_country,city_timezone",
+                           "--out", str(tmp_path / "one_hop.parquet")])
+    rows = pq.read_table(out).to_pylist()
+    assert len(rows) == 150 and {r["extra_info"]["hops"] for r in rows} == {1}
 
 
 # Our own words, standing in for the prompt of a user's earlier runs; braces in the text are literal.
