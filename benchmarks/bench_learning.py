@@ -136,7 +136,7 @@ class Job:
                  memory: float, eval_limit: int | None, shared: bool):
         self.v, self.gpu, self.dir, self.url, self.memory = v, gpu, out / v.name, url, memory
         self.eval_limit = eval_limit
-        self.data, self.t0 = data, time.time()
+        self.data = data
         preset = replace(PRESETS["gpu"], grpo_minutes=minutes)
         keys = grpo_overrides(preset, data["train"], data["test"], model, url, self.dir)
         keys += [f"actor_rollout_ref.rollout.gpu_memory_utilization={memory}",

@@ -130,8 +130,8 @@ class PPOTrainer:
             return batch, {}
         tokens = batch.attention_mask_BT.sum(1).tolist()
         if self.cfg.trainer.balance_batch:
-            batch = batch.select(balanced_order(tokens, world))
-            tokens = batch.attention_mask_BT.sum(1).tolist()
+            order = balanced_order(tokens, world)
+            batch, tokens = batch.select(order), [tokens[i] for i in order]
         size = len(tokens) // world
         totals = [sum(tokens[p * size:(p + 1) * size]) for p in range(world)]
         return batch, {"balance/max_over_mean_tokens": max(totals) / (sum(totals) / world)}
@@ -369,7 +369,6 @@ class PPOTrainer:
             return False
         from verl.trainer.checkpoint import complete_steps
         root = os.path.join(self.out_dir, "checkpoints")
-        target = self.health.rollback_target(complete_steps(root), signs)
         if h.action == "stop":
             reason = ("The run stops here (trainer.health.action=stop) without saving this step; rerun to resume "
                       "from the last checkpoint, e.g. with a lower actor_rollout_ref.actor.optim.lr, or set "
@@ -377,7 +376,7 @@ class PPOTrainer:
         elif self.health.rollbacks >= h.max_rollbacks:
             reason = (f"The run stops: it has rolled back {self.health.rollbacks} times already "
                       f"(trainer.health.max_rollbacks={h.max_rollbacks})")
-        elif target is None:
+        elif (target := self.health.rollback_target(complete_steps(root), signs)) is None:
             reason = (f"No checkpoint saved while healthy is left under {root} to roll back to: save more often "
                       "(trainer.save_freq) or keep more (trainer.keep_last_checkpoints)")
         else:
