@@ -20,7 +20,9 @@ All variants share one BM25 server over the bundled corpus and the same seeds. `
 of every run that may go at once (`0,0,1,1`: two runs on each of GPUs 0 and 1); variants wait for a
 free slot, in the order given. Runs that share a GPU keep their engine awake while they train
 (`rollout.enable_sleep=false`: vLLM's sleep fails when another process allocates on the GPU
-meanwhile), and they slow each other down: compare variants at equal steps, not equal minutes.
+meanwhile) and get a KV cache of fixed size (`--kv-gib`: sized from free memory, it came out empty
+for runs starting together); they slow each other down: compare variants at equal steps, not equal
+minutes.
 After training, each final model is evaluated greedily on every test question, with EM per
 question type and hop count.
 
@@ -129,21 +131,32 @@ def eval_cmd(model: Path, data: Path, url: str, out: Path, mode: str, topk: int,
             "--gpu-memory-utilization", memory, "--enforce-eager"]
 
 
+def train_keys(v: Variant, model: Path, data: dict, url: str, run_dir: Path, minutes: float, memory: float,
+               shared: bool, kv_gib: float) -> list[str]:
+    """The trainer keys of one variant's run: the demo's `gpu` preset, then the variant's own."""
+    preset = replace(PRESETS["gpu"], grpo_minutes=minutes)
+    keys = grpo_overrides(preset, data["train"], data["test"], model, url, run_dir)
+    keys += [f"actor_rollout_ref.rollout.gpu_memory_utilization={memory}",
+             f"trainer.experiment_name={v.name}"]
+    if shared:
+        # vLLM measures the device's free memory, which the other runs on the GPU move meanwhile:
+        # sized from it, the KV cache came out as nothing for runs starting together; a sleeping
+        # engine failed its check that memory was freed. So: a fixed KV cache, never asleep.
+        keys += ["actor_rollout_ref.rollout.enable_sleep=false",
+                 f"actor_rollout_ref.rollout.engine_kwargs={{kv_cache_memory_bytes:{int(kv_gib * 2**30)}}}"]
+    return merged(keys, v.overrides)
+
+
 class Job:
     """One variant: train, then evaluate its final model, each a process on the slot's GPU."""
 
     def __init__(self, v: Variant, gpu: str, out: Path, model: Path, data: dict, url: str, minutes: float,
-                 memory: float, eval_limit: int | None, shared: bool):
+                 memory: float, eval_limit: int | None, shared: bool, kv_gib: float):
         self.v, self.gpu, self.dir, self.url, self.memory = v, gpu, out / v.name, url, memory
         self.eval_limit = eval_limit
         self.data = data
-        preset = replace(PRESETS["gpu"], grpo_minutes=minutes)
-        keys = grpo_overrides(preset, data["train"], data["test"], model, url, self.dir)
-        keys += [f"actor_rollout_ref.rollout.gpu_memory_utilization={memory}",
-                 f"trainer.experiment_name={v.name}"]
-        if shared:   # vLLM's sleep checks the device's free memory, which other runs on the GPU move
-            keys.append("actor_rollout_ref.rollout.enable_sleep=false")
-        self.proc = run_logged([sys.executable, "-m", "verl.trainer.main_ppo", *merged(keys, v.overrides)],
+        keys = train_keys(v, model, data, url, self.dir, minutes, memory, shared, kv_gib)
+        self.proc = run_logged([sys.executable, "-m", "verl.trainer.main_ppo", *keys],
                                self.dir / "train.log", gpu_env(gpu))
         self.evals = list(v.evals)
         self.phase = "train"
@@ -227,6 +240,8 @@ def main(argv=None) -> int:
     p.add_argument("--slots", default="0", help="the GPU of each run that may go at once, e.g. 0,0,1,1")
     p.add_argument("--minutes", type=float, default=10.0, help="GRPO minutes per variant (trainer.time_limit_minutes)")
     p.add_argument("--memory", type=float, default=0.3, help="vLLM's share of GPU memory per run")
+    p.add_argument("--kv-gib", type=float, default=4.0,
+                   help="runs sharing a GPU: each one's KV cache in GiB, fixed instead of sized from free memory")
     p.add_argument("--eval-limit", type=int, default=None,
                    help="test questions in the final evaluations (default: all)")
     a = p.parse_args(argv)
@@ -276,7 +291,7 @@ def main(argv=None) -> int:
                 start_model = sft_model if v.start == "sft" else model
                 gpu = free.pop(0)
                 running.append(Job(v, gpu, out, start_model, data[(v.template, v.types)], url, a.minutes, a.memory,
-                                   a.eval_limit, shared=slots.count(gpu) > 1))
+                                   a.eval_limit, shared=slots.count(gpu) > 1, kv_gib=a.kv_gib))
                 print(f"[{(time.time() - t0) / 60:5.1f} min] {v.name}: started", flush=True)
                 time.sleep(5)   # engines start one after another on a shared GPU
             time.sleep(5)

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-from bench_learning import Variant, merged, signal_stats, table  # noqa: E402
+from bench_learning import Variant, merged, signal_stats, table, train_keys  # noqa: E402
 
 
 def test_a_variant_spec_splits_into_runner_words_and_trainer_keys():
@@ -25,6 +25,22 @@ def test_a_variant_spec_splits_into_runner_words_and_trainer_keys():
 def test_the_variants_keys_replace_the_presets_once():
     keys = merged(["a=1", "b=x=y", "c=3"], {"a": "2", "d": "4"})
     assert keys == ["a=2", "b=x=y", "c=3", "d=4"]   # Hydra refuses a key given twice
+
+
+def test_runs_sharing_a_gpu_get_a_fixed_kv_cache_and_an_engine_that_never_sleeps():
+    from hydra import compose, initialize_config_dir
+    from verl.trainer.config import load_config
+    data = {"train": Path("train.parquet"), "test": Path("test.parquet")}
+    v = Variant.parse("top1 retriever.topk=1")
+    configs = Path(__file__).resolve().parents[2] / "configs"
+    with initialize_config_dir(config_dir=str(configs), version_base=None):
+        for shared in (False, True):
+            keys = train_keys(v, Path("model"), data, "http://127.0.0.1:1/retrieve", Path("run"), 1.0, 0.12,
+                              shared=shared, kv_gib=2)
+            rollout = load_config(compose("ppo_trainer", overrides=keys)).actor_rollout_ref.rollout
+            assert rollout.gpu_memory_utilization == 0.12 and "retriever.topk=1" in keys
+            assert rollout.enable_sleep is not shared
+            assert rollout.engine_kwargs == ({"kv_cache_memory_bytes": 2 << 30} if shared else None)
 
 
 def test_the_signal_summary_counts_missing_finish_reasons_as_zero():

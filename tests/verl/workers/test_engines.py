@@ -322,3 +322,18 @@ def test_only_the_known_harmless_reload_warnings_are_dropped():
     keep = _KnownReloadWarnings().filter
     assert not keep(record("RotaryEmbedding")) and not keep(record("ParallelLMHead"))
     assert keep(record("QKVParallelLinear"))  # a layer that should have loaded: stays in the log
+
+
+@pytest.mark.e2e
+def test_vllm_without_sleep_mode_never_calls_vllms_sleep(vllm_engine, prompts, monkeypatch):
+    """Without sleep mode vLLM's sleep frees nothing, yet on a GPU it fails when another process
+    allocated meanwhile (runs sharing a GPU): the engine must not call it, nor wake_up."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("vLLM's sleep/wake_up called without sleep mode")
+    assert not vllm_engine.sleep_mode
+    monkeypatch.setattr(vllm_engine.llm, "sleep", refuse)
+    monkeypatch.setattr(vllm_engine.llm, "wake_up", refuse)
+    before = [g.token_ids for g in vllm_engine.generate(prompts, GREEDY, stop=[])]
+    vllm_engine.sleep()
+    vllm_engine.wake()
+    assert [g.token_ids for g in vllm_engine.generate(prompts, GREEDY, stop=[])] == before

@@ -262,6 +262,7 @@ class VLLMEngine:
         from vllm import LLM
 
         self.on_cpu = _on_cpu()
+        self.sleep_mode = enable_sleep_mode
         with _hidden_from_vllm_module_scan():
             self.llm = LLM(
                 model=model_path,
@@ -338,11 +339,15 @@ class VLLMEngine:
     # -- colocated training: free memory while the actor trains, then take its new weights --
 
     def sleep(self) -> None:
-        """Free the KV cache and move weights off the GPU (needs enable_sleep_mode=True on GPU;
-        without it vLLM returns and frees nothing)."""
-        self.llm.sleep(level=1)
+        """Free the KV cache and move weights off the GPU. Without sleep mode (on CPU, or turned off
+        because other processes share the GPU) nothing is called: vLLM's sleep would free nothing
+        and still fail when another process allocated on the GPU meanwhile."""
+        if self.sleep_mode:
+            self.llm.sleep(level=1)
 
     def wake(self) -> None:
+        if not self.sleep_mode:
+            return
         if torch.cuda.is_available():
             # Training in this process leaves freed blocks cached by PyTorch's allocator; vLLM allocates
             # through its own (cumem) and cannot reuse them. Without this a 3B actor and reference
