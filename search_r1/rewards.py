@@ -307,8 +307,12 @@ def compute_score(response: str, ground_truth: GroundTruth, *, format_score: flo
     - wrong+invalid but with a complete <answer> block -> `structure_bonus` instead of 0;
     - a gold answer appears in some <information> block (the search found it but the model
       did not use it) -> `retrieval_score` is added.
-    Then `search_cost` is subtracted once per search the response made (per <information> block,
-    i.e. per search the environment answered), so a policy can trade searches for accuracy.
+    A correct answer then pays `search_cost` once per search the response made (per <information>
+    block, i.e. per search the environment answered), so a policy can trade searches for accuracy.
+    Wrong answers pay nothing: with GRPO's advantages divided by each group's reward std, a cost on
+    every trajectory turns the groups where all answers are wrong (most groups early in training)
+    into a full-strength signal against searching, and a policy that searched and scored stopped
+    searching within a few steps (benchmarks/RESULTS.md, "Searching at a cost").
     The defaults (all 0) give plain EM, the paper's reward.
     """
     if not 0.0 <= format_score <= 1.0 or not 0.0 <= retrieval_score <= 1.0:
@@ -337,7 +341,7 @@ def compute_score(response: str, ground_truth: GroundTruth, *, format_score: flo
             score = structure_bonus
         if hit:
             score += retrieval_score
-    if search_cost:
+    if search_cost and em:
         score -= search_cost * len(_INFORMATION.findall(as_tags(response)))
     return RewardResult(score=score, em=em, f1=token_f1(answer, golds),
                         substring=substring_match(answer, golds), format_ok=valid,

@@ -260,13 +260,16 @@ def test_compute_score_matrix(response, default, configured):
     assert compute_score(response, ["Paris"], **SCHEME).score == pytest.approx(configured)
 
 
-def test_search_cost_is_charged_per_search_the_environment_answered():
+def test_search_cost_is_charged_per_search_of_a_correct_answer_only():
     two = ("<think>a</think><search>Lyon</search>" + INFO_OTHER + "<think>b</think><search>France capital</search>"
            + INFO_PARIS + "<think>c</think><answer>Paris</answer>")
     assert compute_score(two, ["Paris"], search_cost=0.1).score == pytest.approx(0.8)
     assert compute_score(VALID_CORRECT, ["Paris"], search_cost=0.1).score == pytest.approx(
         1.0 - 0.1 * VALID_CORRECT.count("<information>"))
     assert compute_score("<think>x</think><answer>Paris</answer>", ["Paris"], search_cost=0.1).score == 1.0
+    # wrong answers pay nothing, so a group of wrong answers stays flat however much each searched
+    wrong = [compute_score(r, ["Berlin"], search_cost=0.1, format_score=0.2).score for r in (two, VALID_CORRECT)]
+    assert wrong == [pytest.approx(0.2)] * 2
     with pytest.raises(ValueError, match="search_cost"):
         compute_score(two, ["Paris"], search_cost=-0.1)
 

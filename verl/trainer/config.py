@@ -308,7 +308,7 @@ class RewardConfig:
                                          "block, at most format_score; the original's reward_model.final_format_score")
     retrieval_score: float = key(0.0, "added to a wrong answer when a retrieved passage held a gold answer; the "
                                       "original's reward_model.retrieval_score")
-    search_cost: float = key(0.0, "subtracted from the reward once per search the trajectory made, >= 0")
+    search_cost: float = key(0.0, "subtracted from a correct answer's reward once per search the trajectory made, >= 0")
 
     def kwargs(self) -> dict[str, float]:
         """The terms set, as the reward function's keyword arguments (compute_score's names)."""
