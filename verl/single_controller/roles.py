@@ -201,7 +201,11 @@ class PolicyWorker:
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         batch = pack_trajectories(prompts, [t.response_ids for t in trajectories],
                                   [t.loss_mask for t in trajectories], group_ids, pad)
+        # Decoded here, by every worker for its own rows: on the driver the decode of the whole
+        # step grew with the cluster (benchmarks/RESULTS.md, "Weak scaling").
+        texts = self.tokenizer.batch_decode([t.response_ids for t in trajectories], skip_special_tokens=True)
         batch.info = {"stats": [t.stats() for t in trajectories],  # TrajectoryStats
+                      "response_text": texts,
                       "response_ids": [list(t.response_ids) for t in trajectories],
                       "loss_mask": [list(t.loss_mask) for t in trajectories]}
         return batch

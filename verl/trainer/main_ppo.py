@@ -84,7 +84,7 @@ def run(raw: DictConfig) -> None:
     tracker = Tracker(run_cfg.logger, run_cfg.default_local_dir, run_cfg.project_name,
                       run_cfg.experiment_name, OmegaConf.to_container(raw, resolve=True))
     n_params = sum(p.numel() for p in _count_params(cfg.actor_rollout_ref.model.path))
-    trainer = PPOTrainer(cfg, sizes, policy, critic, tokenizer, sampler, val, tracker, total_steps, device_name,
+    trainer = PPOTrainer(cfg, sizes, policy, critic, sampler, val, tracker, total_steps, device_name,
                          n_params)
     trainer.fit()
     policy.get([w.shutdown.remote() for w in policy.workers], "shutdown")

@@ -1,7 +1,7 @@
 """The training loop, run by the Ray driver (single controller).
 
 One step, as data: prompts → rollout on every worker (agent loop + colocated engine) → rewards
-(decoded responses, reward function named in the config) → old/ref log-probs, values →
+(the responses as the workers decoded them, reward function named in the config) → old/ref log-probs, values →
 advantages (pure functions in core_algos) → critic and actor updates → new weights pushed into
 the engines. Validation, metrics and checkpoints around it, and an optional wall-clock limit
 (`trainer.time_limit_minutes`) that makes the step running when it is spent the last one.
@@ -56,12 +56,12 @@ class Timer:
 
 
 class PPOTrainer:
-    def __init__(self, cfg: TrainerConfig, sizes: Sizes, policy, critic, tokenizer, sampler: PromptSampler,
+    def __init__(self, cfg: TrainerConfig, sizes: Sizes, policy, critic, sampler: PromptSampler,
                  val_examples: list[Example] | None, tracker, total_steps: int, device_name: str,
                  n_params: int | None = None):
         """`n_params`: the policy's parameter count, for the MFU estimate (None: no estimate)."""
         self.cfg, self.sizes, self.policy, self.critic = cfg, sizes, policy, critic
-        self.tokenizer, self.sampler, self.val_examples = tokenizer, sampler, val_examples
+        self.sampler, self.val_examples = sampler, val_examples
         self.tracker, self.total_steps = tracker, total_steps
         self.reward_fn = load_reward_fn(cfg.reward.function)
         self.reward_kwargs = cfg.reward.kwargs()
@@ -158,9 +158,7 @@ class PPOTrainer:
 
     def score(self, batch: RolloutBatch) -> tuple[torch.Tensor, dict]:
         rewards, em, answered, by_source = [], [], [], defaultdict(list)
-        texts = self.tokenizer.batch_decode(batch.info["response_ids"], skip_special_tokens=True)
-        batch.info["response_text"] = texts
-        for text, source, gt in zip(texts, batch.info["data_source"], batch.info["ground_truth"]):
+        for text, source, gt in zip(batch.info["response_text"], batch.info["data_source"], batch.info["ground_truth"]):
             result = self.reward_fn(source, text, gt, **self.reward_kwargs)
             score = float(getattr(result, "score", result))
             rewards.append(score)

@@ -235,7 +235,7 @@ def _trainer(out_dir: Path, policy, critic=None, total_steps: int = 3) -> PPOTra
     run.export_hf_on_save, run.keep_last_checkpoints = False, 2
     sampler = PromptSampler([Example([1, 2], "demo", "a", i) for i in range(8)], batch_size=2, shuffle=False,
                             seed=0)
-    return PPOTrainer(cfg, None, policy, critic, None, sampler, None, _Tracker(), total_steps, "cpu")
+    return PPOTrainer(cfg, None, policy, critic, sampler, None, _Tracker(), total_steps, "cpu")
 
 
 def _two_saves(out_dir: Path, critic: bool = False):

@@ -189,7 +189,7 @@ def _trainer(out_dir: Path, steps: list[dict], **health) -> PPOTrainer:
     run.export_hf_on_save, run.keep_last_checkpoints = False, 3
     run.health = HealthConfig(**({"val_drop": None, "no_action_rise": None} | health))
     sampler = PromptSampler([Example([1, 2], "demo", "a", i) for i in range(8)], batch_size=2, shuffle=False, seed=0)
-    trainer = PPOTrainer(cfg, None, _Policy(), None, None, sampler, None, _Tracker(), len(steps), "cpu")
+    trainer = PPOTrainer(cfg, None, _Policy(), None, sampler, None, _Tracker(), len(steps), "cpu")
     rows = iter(steps)
     trainer.train_step = lambda examples: {"reward/mean": 0.5, "pg_loss": 0.1, "grad_norm": 1.0} | next(rows)
     return trainer
@@ -255,11 +255,6 @@ def test_rollback_saves_the_starting_state_so_the_first_steps_can_go_back(tmp_pa
 
 # ---------------------------------------------------------------- the metrics the signs read
 
-class _Tokenizer:
-    def batch_decode(self, ids, skip_special_tokens=True):
-        return ["".join(chr(i) for i in seq) for seq in ids]
-
-
 def test_scoring_reports_flat_groups_and_trajectories_without_an_action():
     from verl.batch import pack_trajectories
     from verl.workers.rollout.agent_loop import TrajectoryStats
@@ -267,12 +262,12 @@ def test_scoring_reports_flat_groups_and_trajectories_without_an_action():
     cfg.reward.function = "search_r1.rewards:score_for"
     cfg.reward.search_cost = 0.1   # reaches the reward function as a keyword argument
     sampler = PromptSampler([Example([1], "nq", "a", 0)], batch_size=1, shuffle=False, seed=0)
-    trainer = PPOTrainer(cfg, None, None, None, _Tokenizer(), sampler, None, _Tracker(), 1, "cpu")
+    trainer = PPOTrainer(cfg, None, None, None, sampler, None, _Tracker(), 1, "cpu")
     right = "<think>x</think><search>q</search><information>Paris</information><think>y</think><answer>Paris</answer>"
     texts = [right, "<answer>Lyon</answer>", "no tags at all", "no tags either"]
     batch = pack_trajectories([[1]] * 4, [[ord(c) for c in t] for t in texts], [[1] * len(t) for t in texts],
                               [0, 0, 1, 1], 0)
-    batch.info = {"response_ids": [[ord(c) for c in t] for t in texts], "data_source": ["nq"] * 4,
+    batch.info = {"response_text": texts, "data_source": ["nq"] * 4,
                   "ground_truth": [{"target": ["Paris"]}] * 4,
                   # the second answered in a turn that ended with eos, as the tool-calling loop records it
                   "stats": [TrajectoryStats("answer", 9, 9, tool_calls=1), TrajectoryStats("eos", 3, 3),

@@ -99,8 +99,12 @@ def test_grpo_two_steps(grpo_two_steps):
     assert "val/reward/em" in rows[0]
     assert (out / "checkpoints" / "global_step_2").is_dir() and (out / "hf_actor" / "config.json").exists()
     # the exported actor is a loadable HF model
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
     AutoModelForCausalLM.from_pretrained(out / "hf_actor")
+    # the workers decode their own responses; what was scored is the text of the tokens trained on
+    tok = AutoTokenizer.from_pretrained(out / "hf_actor")
+    samples = [json.loads(line) for path in (out / "samples").glob("*.jsonl") for line in path.read_text().splitlines()]
+    assert samples and all(s["response"] == tok.decode(s["response_ids"], skip_special_tokens=True) for s in samples)
 
 
 def test_grpo_resume_continues_with_the_same_data_order(grpo_two_steps, tiny_model_dir, bundled_data, bm25_server):

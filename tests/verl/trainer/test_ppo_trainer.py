@@ -19,7 +19,7 @@ def _trainer(**keys) -> PPOTrainer:
         node[last] = value
     cfg = load_config(raw)
     sampler = PromptSampler([Example([1], "nq", "a", 0)], batch_size=1, shuffle=False, seed=0)
-    return PPOTrainer(cfg, derive_sizes(cfg), None, None, None, sampler, None, None, 1, "cpu")
+    return PPOTrainer(cfg, derive_sizes(cfg), None, None, sampler, None, None, 1, "cpu")
 
 
 @pytest.mark.parametrize("keys, separate", [
