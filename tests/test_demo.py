@@ -65,7 +65,13 @@ def test_presets_parse_and_small_is_an_alias():
         cfg = load_config(raw)
         assert derive_sizes(cfg).trajectories_per_step == preset.grpo_prompts * preset.grpo_n, name
         assert cfg.actor_rollout_ref.actor.optim.lr == preset.lr, name
-    for bad in (["--small", "--preset", "gpu"], ["--grpo-steps", "0"], ["--protocol", "json"]):
+    rl = parse_args(["--preset", "rl-only"])[1]
+    assert not rl.sft and rl.template == "example" and rl.grpo_minutes == 15
+    keys = dict(o.split("=", 1) for o in grpo_overrides(rl, Path("tr"), Path("te"), Path("m"), "u", Path("r")))
+    assert (keys["reward.format_score"], keys["reward.final_format_score"], keys["reward.retrieval_score"]) == (
+        "0.2", "0", "0.3")
+    for bad in (["--small", "--preset", "gpu"], ["--grpo-steps", "0"], ["--protocol", "json"],
+                ["--preset", "rl-only", "--protocol", "tools"]):
         with pytest.raises(SystemExit):
             parse_args(bad)
 
@@ -104,6 +110,8 @@ def test_summary_says_what_a_cpu_grpo_stage_can_show():
     assert cpu.startswith("EM before 0.000 → after SFT 0.667 → after GRPO 0.600 on 30 test questions")
     assert "smoke run of the RL path (3 steps of 16 trajectories)" in cpu and "--preset gpu" in cpu
     assert "smoke run" not in summary(stages, PRESETS["gpu"], cpu_preset=False)
+    rl = summary([stages[0], stages[2]], PRESETS["rl-only"], cpu_preset=False)
+    assert rl == "EM before 0.000 → after GRPO 0.600 on 30 test questions (no SFT: reinforcement learning alone)"
 
 
 def test_a_failed_stage_names_its_log_and_shows_its_end(tmp_path, capsys):
