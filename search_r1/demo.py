@@ -27,7 +27,8 @@ in verl's search-tool layout, SFT on tool-call trajectories, evaluation and GRPO
 Every stage runs as its own process (as a user would run it), so each one's memory is returned
 when it ends; its output goes to `<out>/logs/<stage>.log` (`--verbose`: to the console), and the
 console keeps the demo's own lines; the SFT and GRPO stages add a line a minute with their step and
-the time left in the stage, estimated from their own steps so far. The server is stopped whatever happens, Ctrl-C included. A rerun
+the time left in the stage, estimated from their own steps so far (GRPO's line adds the time left in
+the demo: its last evaluation is timed by the first). The server is stopped whatever happens, Ctrl-C included. A rerun
 into the same `--out` resumes GRPO from the run's last checkpoint (the trainer's `resume_mode=auto`).
 """
 from __future__ import annotations
@@ -111,10 +112,13 @@ def say(message: str):
 class StepWatch:
     """How far a training stage is, from the metrics file it writes a row to per step: "step k/N,
     about M min left in this stage". The time per step is measured from the rows' arrival, so the
-    estimate is this machine's, and a time limit caps it."""
+    estimate is this machine's, and a time limit caps it. `then_s`: what the stages after this one
+    will take (measured earlier in the same run), for the time left in the whole demo."""
 
-    def __init__(self, name: str, rows: Path, total: int, first_step: int = 1, limit_s: float | None = None):
+    def __init__(self, name: str, rows: Path, total: int, first_step: int = 1, limit_s: float | None = None,
+                 then_s: float | None = None):
         self.name, self.rows, self.total, self.first_step, self.limit_s = name, rows, total, first_step, limit_s
+        self.then_s = then_s
         self.seen: list[float] = []   # when each step's row was first seen
 
     def __call__(self) -> str | None:
@@ -132,8 +136,11 @@ class StepWatch:
         left = (self.total - done) * per_step
         if self.limit_s is not None:
             left = min(left, max(0.0, self.limit_s - (time.time() - self.seen[0])))
-        return f"{self.name} step {done}/{self.total}, {per_step:.0f} s a step: about {math.ceil(left / 60)} min left " \
+        line = f"{self.name} step {done}/{self.total}, {per_step:.0f} s a step: about {math.ceil(left / 60)} min left " \
                "in this stage"
+        if self.then_s is not None:
+            line += f", about {math.ceil((left + self.then_s) / 60)} min in the demo"
+        return line
 
 
 def run(cmd: list, log: Path | None, watch: StepWatch | None = None, every_s: float = 60):
@@ -486,7 +493,9 @@ def main(argv=None) -> int:
         tool_config = write_tool_config(out / "tools.yaml", url) if tools else None
         stages = []
         progress.stage(4, "evaluating the bundled model before training")
+        eval_s = time.time()
         stages.append(evaluate(model, test, url, out / "eval_before", size, "before", log("eval_before"), a.protocol))
+        eval_s = time.time() - eval_s   # the last stage evaluates the same questions once more
         start = model
         if size.sft:
             progress.stage(5, "supervised warm start on gold search trajectories (training questions only)")
@@ -507,7 +516,7 @@ def main(argv=None) -> int:
         run([sys.executable, "-m", "verl.trainer.main_ppo",
              *grpo_overrides(size, data["train"], test, start, url, run_dir, tool_config)], log("grpo"),
             StepWatch("GRPO", run_dir / "metrics.jsonl", size.grpo_steps,
-                      limit_s=size.grpo_minutes * 60 if size.grpo_minutes else None))
+                      limit_s=size.grpo_minutes * 60 if size.grpo_minutes else None, then_s=eval_s))
         final = run_dir / "hf_actor"
         progress.stage(7, "evaluating after GRPO and writing the report")
         stages.append(evaluate(final, test, url, out / "eval_grpo", size, "after GRPO", log("eval_grpo"),

@@ -159,3 +159,9 @@ def test_step_watch_estimates_the_time_left_from_the_rows(tmp_path, monkeypatch)
     clock[0] += 20
     rows.write_text('{"step": 0}\n{"step": 1}\n{"step": 2}\n')
     assert grpo() == "GRPO step 2/1000, 20 s a step: about 2 min left in this stage"  # the 90 s limit, not 998 steps
+    last = demo.StepWatch("GRPO", rows, total=4, then_s=75)   # the evaluation after it took 75 s before
+    rows.write_text('{"step": 0}\n{"step": 1}\n')
+    last()
+    clock[0] += 30
+    rows.write_text('{"step": 0}\n{"step": 1}\n{"step": 2}\n')
+    assert last() == "GRPO step 2/4, 30 s a step: about 1 min left in this stage, about 3 min in the demo"
