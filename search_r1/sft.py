@@ -312,12 +312,8 @@ def masked_nll(model, examples: list[Example], pad_id: int, device="cpu") -> tup
 
 
 def _autocast(device: torch.device):
-    # bf16 compute on GPUs and on CPUs with bf16 instructions, else fp32; forward_packed takes the
-    # softmax in fp32 either way.
-    from verl.workers.distributed import cpu_has_bf16
-    if device.type == "cuda":
-        return torch.autocast("cuda", dtype=torch.bfloat16)
-    return torch.autocast("cpu", dtype=torch.bfloat16, enabled=cpu_has_bf16())
+    # bf16 compute on GPUs; fp32 on the CPU. forward_packed takes the softmax in fp32 either way.
+    return torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
 
 
 @torch.no_grad()

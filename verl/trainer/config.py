@@ -103,8 +103,7 @@ class FSDPConfig:
     optimizer_offload: bool = key(False, "keep the optimizer state in CPU memory between updates (CUDA only; with "
                                          "param_offload it is there already)")
     mixed_precision: bool = key(True, "compute in bf16 with fp32 master weights and fp32 gradient reduction "
-                                      "(GPUs, and one-process runs on CPUs with bf16 instructions; other CPUs "
-                                      "compute in fp32)")
+                                      "(CUDA only; CPU computes in fp32)")
     # several GPUs: keep full weights and gradients across micro-batches (fsdp.accumulation_steps)
     unsharded_accumulation: bool = key(False, "several GPUs: keep each layer's full weights and sum gradients "
                                               "unsharded over a mini-batch's micro-batches (one all-gather and one "

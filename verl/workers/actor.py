@@ -69,7 +69,7 @@ class Actor(TrainedModel):
     def __init__(self, model: ModelConfig, cfg: ActorConfig, *, micro_batch_size: int,
                  total_steps: int | None = None, temperature: float = 1.0, seed: int = 0):
         device = compute_device()
-        self.mixed_precision = cfg.fsdp_config.mixed_precision   # bf16 where the device has it (distributed.py)
+        self.mixed_precision = cfg.fsdp_config.mixed_precision and device.type == "cuda"
         lm = _load_policy_model(model, checkpointed_share(model), cfg.fsdp_config.param_offload,
                                 self.mixed_precision, device)
         super().__init__(lm, cfg.optim, cfg.fsdp_config, total_steps=total_steps, grad_clip=cfg.grad_clip,
@@ -138,7 +138,7 @@ class Reference:
     def __init__(self, model: ModelConfig, *, param_offload: bool = False, mixed_precision: bool = True,
                  micro_batch_size: int = 4, max_tokens_per_pack: int = 16384, temperature: float = 1.0):
         device = compute_device()
-        self.mixed_precision = mixed_precision
+        self.mixed_precision = mixed_precision and device.type == "cuda"
         self.model = _load_policy_model(model, 0.0, param_offload, self.mixed_precision, device)
         self.model.requires_grad_(False)
         self.micro_batch_size = micro_batch_size

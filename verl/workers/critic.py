@@ -36,7 +36,7 @@ class Critic(TrainedModel):
                  total_steps: int | None = None, seed: int = 0):
         device = compute_device()
         fsdp = cfg.model.fsdp_config
-        self.mixed_precision = fsdp.mixed_precision   # bf16 where the device has it (distributed.py)
+        self.mixed_precision = fsdp.mixed_precision and device.type == "cuda"
         checkpointed = cfg.model.gradient_checkpointing_ratio if cfg.model.enable_gradient_checkpointing else 0.0
         model = build_value_model(cfg.model.path, torch.float32, checkpointed,
                                   attn_implementation=pick_attn_implementation(self.mixed_precision))

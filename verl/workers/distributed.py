@@ -5,15 +5,13 @@ micro-batches, gathering full weights for the rollout engine, and the compute pr
 - `shard`: FSDP2 (`fully_shard`) on every decoder layer, then on the root; `accumulation_steps`:
   one all-gather and one reduce-scatter per optimizer step instead of per micro-batch (optional).
 - `full_state_dict_iter`: full tensors one at a time, for pushing weights to the rollout engine.
-- `mixed_precision_context`: bf16 compute for a model that is not sharded (one process on a GPU, or
-  on a CPU with bf16 instructions).
+- `mixed_precision_context`: bf16 compute for a model that is not sharded (one process on a GPU).
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
-import functools
 import logging
 import os
 from collections.abc import Iterator
@@ -171,22 +169,8 @@ def full_state_dict_iter(model: nn.Module, dtype: torch.dtype | None = None) -> 
 
 
 def mixed_precision_context(sharded: bool, mixed_precision: bool):
-    # Sharded models get bf16 compute from FSDP's MixedPrecisionPolicy (on GPUs); an unsharded model
-    # (single-process runs) gets it from autocast, on a GPU or on a CPU that has bf16 instructions.
-    if not mixed_precision or sharded:
-        return contextlib.nullcontext()
-    if torch.cuda.is_available():
+    # Sharded models get bf16 compute from FSDP's MixedPrecisionPolicy; an unsharded model on a GPU
+    # (single-process runs) gets it from autocast.
+    if mixed_precision and not sharded and torch.cuda.is_available():
         return torch.autocast("cuda", dtype=torch.bfloat16)
-    return torch.autocast("cpu", dtype=torch.bfloat16, enabled=cpu_has_bf16())
-
-
-@functools.cache
-def cpu_has_bf16() -> bool:
-    """Whether this CPU computes bf16 matrix products in hardware (AVX512-BF16 or AMX): there bf16
-    autocast is faster than fp32; elsewhere it is emulated and slower, and the CPU stays in fp32."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = set(f.read().split())
-    except OSError:   # not Linux: fp32
-        return False
-    return bool(flags & {"avx512_bf16", "amx_bf16"})
+    return contextlib.nullcontext()
