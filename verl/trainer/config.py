@@ -138,7 +138,8 @@ class ActorConfig:
     state_masking: bool = key(True, "keep retrieved tokens (observations) out of the loss, entropy and KL; false: "
                                     "every response token counts")
     max_tokens_per_pack: int = key(16384, "tokens per padding-free forward: a micro-batch's sequences are packed "
-                                          "into rows of at most this many (actor, reference and critic)")
+                                          "into rows of at most this many (actor, reference and critic; on the CPU one "
+                                          "sequence a row)")
     fsdp_config: FSDPConfig = key_factory(FSDPConfig, "FSDP2 sharding, offload and precision of the actor")
 
 

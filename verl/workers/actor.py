@@ -15,7 +15,7 @@ from verl.trainer.config import ActorConfig, ModelConfig
 from verl.trainer.core_algos import agg_loss, kl_penalty, policy_loss
 from verl.workers.distributed import compute_device, mixed_precision_context, shard
 from verl.workers.modeling import build_causal_lm, compile_layers, pick_attn_implementation
-from verl.workers.packing import forward_packed
+from verl.workers.packing import forward_packed, tokens_per_pack
 from verl.workers.update import TrainedModel
 
 
@@ -77,15 +77,16 @@ class Actor(TrainedModel):
                          state_masking=cfg.state_masking, seed=seed)
         self.cfg = cfg
         self.temperature = temperature
+        self.max_tokens_per_pack = tokens_per_pack(cfg.max_tokens_per_pack, device)
 
     def compute_logprobs(self, batch: RolloutBatch) -> torch.Tensor:
         """logprobs_BR of the response tokens under the current weights (fp32, CPU, 0 on padding)."""
         return _logprobs_in_micro_batches(self.model, batch, self.micro_batch_size, self.temperature,
-                                          self.cfg.max_tokens_per_pack, False, self.mixed_precision)[0]
+                                          self.max_tokens_per_pack, False, self.mixed_precision)[0]
 
     def compute_logprobs_and_entropy(self, batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor]:
         return _logprobs_in_micro_batches(self.model, batch, self.micro_batch_size, self.temperature,
-                                          self.cfg.max_tokens_per_pack, True, self.mixed_precision)
+                                          self.max_tokens_per_pack, True, self.mixed_precision)
 
     def update(self, batch: RolloutBatch, mini_batch_size: int, shuffle: bool = True,
                loss_norm_length: float | None = None) -> dict[str, float]:
@@ -111,7 +112,7 @@ class Actor(TrainedModel):
             with mixed_precision_context(dist.is_initialized(), self.mixed_precision):
                 logprobs_BR, entropy_BR = forward_packed(
                     self.model, micro.input_ids_BT, micro.attention_mask_BT, micro.prompt_width, self.temperature,
-                    compute_entropy=True, max_tokens_per_pack=cfg.max_tokens_per_pack,
+                    compute_entropy=True, max_tokens_per_pack=self.max_tokens_per_pack,
                     entropy_grad=cfg.entropy_coeff != 0)
             old_BR = logprobs_BR.detach() if on_policy else micro.old_logprobs_BR
             pg_loss, pg_stats = policy_loss(logprobs_BR, old_BR, micro.advantages_BR, mask_BR,
@@ -142,7 +143,7 @@ class Reference:
         self.model = _load_policy_model(model, 0.0, param_offload, self.mixed_precision, device)
         self.model.requires_grad_(False)
         self.micro_batch_size = micro_batch_size
-        self.max_tokens_per_pack = max_tokens_per_pack
+        self.max_tokens_per_pack = tokens_per_pack(max_tokens_per_pack, device)
         self.temperature = temperature
 
     def compute_logprobs(self, batch: RolloutBatch) -> torch.Tensor:

@@ -19,7 +19,7 @@ from verl.trainer.config import ActorConfig, CriticConfig
 from verl.trainer.core_algos import value_loss
 from verl.workers.distributed import compute_device, mixed_precision_context, shard
 from verl.workers.modeling import build_value_model, pick_attn_implementation
-from verl.workers.packing import values_packed
+from verl.workers.packing import tokens_per_pack, values_packed
 from verl.workers.update import TrainedModel
 
 
@@ -48,7 +48,7 @@ class Critic(TrainedModel):
                          micro_batch_size=micro_batch_size, ppo_epochs=shared.ppo_epochs,
                          loss_agg=shared.loss_agg_mode, state_masking=shared.state_masking, seed=seed)
         self.cfg = cfg
-        self.max_tokens_per_pack = shared.max_tokens_per_pack
+        self.max_tokens_per_pack = tokens_per_pack(shared.max_tokens_per_pack, device)
 
     def _values(self, micro: RolloutBatch) -> torch.Tensor:
         with mixed_precision_context(dist.is_initialized(), self.mixed_precision):

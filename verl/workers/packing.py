@@ -45,6 +45,13 @@ from verl.workers.distributed import all_reduce_scalar
 from verl.workers.modeling import VARLEN_ATTN, ValueModel
 
 
+def tokens_per_pack(max_tokens: int | None, device: torch.device) -> int | None:
+    """The pack size a model on `device` should use. Without a varlen kernel a pack needs a mask, and
+    attention then costs the square of the pack's length; on the CPU (no varlen kernel) that outweighs
+    what larger matrix products gain, so one row per pack (benchmarks/RESULTS.md, "The demo")."""
+    return 1 if device.type == "cpu" else max_tokens
+
+
 def plan_packs(lengths: list[int], max_tokens: int | None, min_packs: int = 1) -> list[range]:
     """Consecutive row ranges whose token counts sum to at most `max_tokens` (a longer row gets a
     range of its own), split further until there are at least `min_packs` of them."""

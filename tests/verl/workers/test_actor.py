@@ -28,7 +28,8 @@ from verl.trainer.config import ActorConfig, CriticConfig, CriticModelConfig, FS
 from verl.workers.distributed import full_state_dict_iter
 from verl.workers.modeling import (VARLEN_ATTN, _enable_gradient_checkpointing, build_causal_lm, build_value_model,
                                    decoder_layers)
-from verl.workers.packing import forward_packed, forward_padded, plan_packs, values_packed, values_padded
+from verl.workers.packing import (forward_packed, forward_padded, plan_packs, tokens_per_pack, values_packed,
+                                  values_padded)
 
 # Response lengths (first half long, second half short: the two ranks get very different token
 # counts) and prompt lengths, all different so that padding is on both sides of every row.
@@ -124,6 +125,14 @@ def test_plan_packs_bounds_tokens_and_reaches_min_count():
     assert plan_packs([10, 10, 10], None) == [range(0, 3)]
     packs = plan_packs([1, 1, 1, 1, 1], 100, min_packs=4)
     assert len(packs) == 4 and [i for r in packs for i in r] == list(range(5))
+
+
+def test_on_the_cpu_every_sequence_is_a_pack_of_its_own():
+    # a pack's mask makes attention quadratic in its length; the GPU keeps the configured size
+    assert tokens_per_pack(16384, torch.device("cpu")) == 1
+    assert tokens_per_pack(16384, torch.device("cuda")) == 16384
+    assert plan_packs([300, 500, 200], tokens_per_pack(16384, torch.device("cpu"))) == [range(0, 1), range(1, 2),
+                                                                                         range(2, 3)]
 
 
 def _four_layer_llama():
