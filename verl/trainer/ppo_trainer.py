@@ -3,8 +3,9 @@
 One step, as data: prompts → rollout on every worker (agent loop + colocated engine) → rewards
 (the responses as the workers decoded them, reward function named in the config) → old/ref
 log-probs, values → advantages (pure functions in core_algos) → critic and actor updates → new
-weights pushed into the engines. Validation, metrics and checkpoints around it, and an optional wall-clock limit
-(`trainer.time_limit_minutes`) that makes the step running when it is spent the last one.
+weights pushed into the engines. Validation, metrics and checkpoints around it, and an optional
+wall-clock limit (`trainer.time_limit_minutes`) that makes the step running when it is spent the
+last one.
 """
 from __future__ import annotations
 
