@@ -305,10 +305,10 @@ def _pack(examples: list[Example], pad_id: int):
 def masked_nll(model, examples: list[Example], pad_id: int, device="cpu") -> tuple[torch.Tensor, int]:
     """(sum of -log p over the model tokens, number of model tokens). Observations, prompt and
     padding never contribute."""
-    from verl.workers.packing import forward_packed, tokens_per_pack
+    from verl.workers.packing import TOKENS_PER_PACK, forward_packed, tokens_per_pack
     batch = _pack(examples, pad_id).to(device)
     logprobs_BR, _ = forward_packed(model, batch.input_ids_BT, batch.attention_mask_BT, batch.prompt_width,
-                                    max_tokens_per_pack=tokens_per_pack(8192, batch.input_ids_BT.device))
+                                    max_tokens_per_pack=tokens_per_pack(TOKENS_PER_PACK, batch.input_ids_BT.device))
     return -(logprobs_BR * batch.loss_mask_BR).sum(), int(batch.loss_mask_BR.sum().item())
 
 

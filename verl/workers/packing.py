@@ -45,6 +45,9 @@ from verl.workers.distributed import all_reduce_scalar
 from verl.workers.modeling import VARLEN_ATTN, ValueModel
 
 
+TOKENS_PER_PACK = 8192   # forward_packed's default pack size (the trainer's comes from its key)
+
+
 def tokens_per_pack(max_tokens: int | None, device: torch.device) -> int | None:
     """The pack size a model on `device` should use. Without a varlen kernel a pack needs a mask, and
     attention then costs the square of the pack's length; on the CPU (no varlen kernel) that outweighs
@@ -142,7 +145,7 @@ def _scatter_rows(values_N: torch.Tensor, target_bR: torch.Tensor) -> torch.Tens
 
 
 def forward_packed(model, input_ids_BT, attention_mask_BT, prompt_width: int, temperature: float = 1.0,
-                   compute_entropy: bool = False, max_tokens_per_pack: int | None = 8192,
+                   compute_entropy: bool = False, max_tokens_per_pack: int | None = TOKENS_PER_PACK,
                    entropy_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (and entropies) of the response tokens, padding removed (see module docstring).
 
@@ -183,7 +186,7 @@ def forward_padded(model, input_ids_BT, attention_mask_BT, prompt_width: int, te
 
 
 def values_packed(model: ValueModel, input_ids_BT, attention_mask_BT, prompt_width: int,
-                  max_tokens_per_pack: int | None = 8192) -> torch.Tensor:
+                  max_tokens_per_pack: int | None = TOKENS_PER_PACK) -> torch.Tensor:
     """values_BR: V of the state before each response token (the output at the token's predecessor,
     the same positions that predict it), fp32, 0 on padding."""
     values = [_scatter_rows(values_N.float(), target_bR) for _, target_bR, values_N in
