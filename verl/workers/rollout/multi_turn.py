@@ -232,8 +232,11 @@ class MultiTurnAgent:
                     engine.abort_all()
                     return
                 asking, requests = [], []
-                steps_since_admit += 1
-                for key, gen in (engine.step() if engine.has_unfinished() else []):
+                finished = []
+                if engine.has_unfinished():  # only engine steps count toward the next admission
+                    steps_since_admit += 1
+                    finished = engine.step()
+                for key, gen in finished:
                     t = by_id[key]
                     request = self._take_turn(t, gen, last_turn=t.turns == self.cfg.max_turns)
                     if request is not None:
