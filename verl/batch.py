@@ -25,6 +25,7 @@ class RolloutBatch:
     values_BR: torch.Tensor | None = None
     advantages_BR: torch.Tensor | None = None
     returns_BR: torch.Tensor | None = None
+    rollout_logprobs_BR: torch.Tensor | None = None  # float32, the engine's log-prob of each sampled token (0 elsewhere)
     info: dict = field(default_factory=dict)       # per-trajectory python lists (stats, texts)
 
     def __len__(self) -> int:

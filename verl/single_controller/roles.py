@@ -9,6 +9,7 @@ import dataclasses
 import logging
 import os
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
@@ -127,6 +128,20 @@ def agent_loop_settings(cfg: TrainerConfig, device: str) -> AgentLoopSettings:
                              options=options | dict(rollout.agent_kwargs or {}))
 
 
+def rollout_logprobs_BR(trajectories, width: int, loop_cls) -> torch.Tensor:
+    """The trajectories' engine log-probs as a [B, R] tensor, right-padded with 0."""
+    out_BR = torch.zeros((len(trajectories), width), dtype=torch.float32)
+    for i, t in enumerate(trajectories):
+        values = getattr(t, "rollout_logprobs", None)
+        if values is None:
+            raise RuntimeError(f"trainer.overlap_rollout needs the log-prob of every sampled token, and the agent "
+                               f"loop {loop_cls.__module__}:{loop_cls.__name__} returned a trajectory without "
+                               "them (Trajectory.rollout_logprobs): pass Generation.logprobs on, or set "
+                               "trainer.overlap_rollout=false")
+        out_BR[i, :len(values)] = torch.tensor(values, dtype=torch.float32)
+    return out_BR
+
+
 class PolicyWorker:
     def __init__(self, rank: int, cfg: TrainerConfig, sizes: Sizes, total_steps: int, device: str):
         self.rank, self.cfg, self.sizes, self.total_steps, self.device = rank, cfg, sizes, total_steps, device
@@ -151,7 +166,9 @@ class PolicyWorker:
             separate = separate_engine_core(rollout, self.device)
             vllm_kw = dict(gpu_memory_utilization=rollout.gpu_memory_utilization,
                            max_model_len=rollout.max_model_len or budget,
-                           enable_sleep_mode=rollout.enable_sleep and self.device == "cuda",
+                           # overlap_rollout: the engine generates while the actor trains, so it never sleeps
+                           enable_sleep_mode=(rollout.enable_sleep and self.device == "cuda"
+                                              and not cfg.trainer.overlap_rollout),
                            enforce_eager=rollout.enforce_eager,
                            tensor_parallel_size=rollout.tensor_model_parallel_size, separate_core=separate,
                            **vllm_engine_kwargs(rollout, self.sizes.world, separate, self.device))
@@ -171,6 +188,9 @@ class PolicyWorker:
                                        max_tokens_per_pack=a.max_tokens_per_pack, temperature=rollout.temperature)
         self._asleep = False
         self.sleep_rollout()
+        # trainer.overlap_rollout: the next step's rollout runs in a thread of this process (generate_ahead)
+        self._ahead_pool = ThreadPoolExecutor(1, thread_name_prefix="rollout-ahead") if cfg.trainer.overlap_rollout else None
+        self._ahead: Future | None = None
 
     # -- rollout -------------------------------------------------------------------------------
 
@@ -189,18 +209,21 @@ class PolicyWorker:
             self._asleep = False
 
     def generate(self, prompts: list[list[int]], group_ids: list[int], temperature: float,
-                 top_p: float, max_tokens: int, seed: int | None = None) -> RolloutBatch:
+                 top_p: float, max_tokens: int, seed: int | None = None, logprobs: bool = False) -> RolloutBatch:
         """The agent loop over `prompts`; `seed` (the step's, for this worker) makes its samples the
-        same in a resumed run as in an uninterrupted one (vLLM on CPU ignores it)."""
+        same in a resumed run as in an uninterrupted one (vLLM on CPU ignores it). `logprobs`: keep
+        the engine's log-prob of every sampled token (batch.rollout_logprobs_BR)."""
         from verl.workers.rollout.engines import SamplingConfig
         self.wake_rollout()
         bias = self.cfg.actor_rollout_ref.rollout.logit_bias or None
         trajectories = self.agent.run(prompts, SamplingConfig(temperature, top_p, max_tokens, seed=seed,
-                                                              logit_bias=bias))
+                                                              logit_bias=bias, logprobs=logprobs))
         self.sleep_rollout()
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         batch = pack_trajectories(prompts, [t.response_ids for t in trajectories],
                                   [t.loss_mask for t in trajectories], group_ids, pad)
+        if logprobs:
+            batch.rollout_logprobs_BR = rollout_logprobs_BR(trajectories, batch.loss_mask_BR.shape[1], type(self.agent))
         # Decoded here, by every worker for its own rows: on the driver the decode of the whole
         # step grew with the cluster (benchmarks/RESULTS.md, "Weak scaling").
         texts = self.tokenizer.batch_decode([t.response_ids for t in trajectories], skip_special_tokens=True)
@@ -209,6 +232,20 @@ class PolicyWorker:
                       "response_ids": [list(t.response_ids) for t in trajectories],
                       "loss_mask": [list(t.loss_mask) for t in trajectories]}
         return batch
+
+    def generate_ahead(self, *args) -> None:
+        """Start `generate(*args)` in a thread of this process and return at once: the next step's
+        rollout runs while this step trains (trainer.overlap_rollout). `take_ahead` returns it."""
+        if self._ahead_pool is None or self._ahead is not None:
+            raise RuntimeError("generate_ahead needs trainer.overlap_rollout and no rollout ahead running")
+        self._ahead = self._ahead_pool.submit(self.generate, *args)
+
+    def take_ahead(self) -> RolloutBatch:
+        """The batch of the rollout `generate_ahead` started, once it has finished."""
+        if self._ahead is None:
+            raise RuntimeError("no rollout ahead was started on this worker")
+        future, self._ahead = self._ahead, None
+        return future.result()
 
     def sync_weights(self) -> float:
         """Push the actor's current weights into the rollout engine, in memory."""

@@ -123,6 +123,9 @@ class ActorConfig:
                                      "(ppo_epochs 1, ppo_mini_batch_size = all trajectories, no KL in the reward), "
                                      "the update's own forward gives the log-probs the ratio starts from, and the "
                                      "separate pass over the batch is skipped | recompute: always that pass")
+    rollout_is_cap: float = key(2.0, "off-policy steps (trainer.overlap_rollout): each model token's loss is "
+                                     "weighted by pi_old / pi_rollout, the importance weight of the policy being "
+                                     "trained over the one that sampled it, truncated at this value (>= 1)")
     grad_clip: float = key(1.0, "largest global gradient norm, clipped above it (the critic's too)")
     clip_ratio_low: float = key(0.2, "PPO clip: the probability ratio is clipped below at 1 - clip_ratio_low")
     clip_ratio_high: float = key(0.2, "PPO clip: the probability ratio is clipped above at 1 + clip_ratio_high")
@@ -398,6 +401,12 @@ class RunConfig:
     default_hdfs_dir: str | None = key(None, "the original's HDFS copy of checkpoints: only null (checkpoints stay "
                                              "in default_local_dir)")
     keep_last_checkpoints: int = key(2, "checkpoints kept; older ones are deleted once a newer one is complete")
+    overlap_rollout: bool = key(False, "generate the next step's trajectories while this step trains, so a step "
+                                       "waits for the longer of the two instead of their sum. Those trajectories "
+                                       "are one update old: the actor loss corrects with truncated importance "
+                                       "weights (actor.rollout_is_cap) from the engine's log-probs. The engine "
+                                       "stays awake while the actor trains (no sleep mode): leave room with "
+                                       "rollout.gpu_memory_utilization. Off: every step is on-policy")
     balance_batch: bool = key(True, "several workers: reorder each step's trajectories so that every worker gets "
                                     "the same number and nearly the same number of tokens (verl's key); the "
                                     "update's result does not depend on the split")

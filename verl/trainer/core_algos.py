@@ -20,6 +20,12 @@ Where we deviate from the papers or from common implementations, on purpose:
   unchanged in any realistic case, but one stale token can no longer produce inf / NaN gradients.
 - `policy_loss`'s "approx_kl" statistic is the k3 estimator of KL(pi_old || pi_theta):
   ratio - 1 - log(ratio), non-negative and unbiased on tokens sampled from pi_old.
+- Off-policy steps (the trainer's overlap_rollout: trajectories sampled by the weights before the
+  last update) weight each token's PPO term by min(pi_old / pi_rollout, cap), the truncated
+  importance weight of IMPALA's V-trace and of "truncated importance sampling" for RL with a
+  separate inference engine. pi_old is the actor before this update, pi_rollout the engine's
+  log-prob of the sampled token; the weights carry no gradient. The PPO ratio itself stays
+  pi_theta / pi_old, so clipping keeps its usual meaning (the decoupled objective).
 - Masked means over an empty mask are 0, not NaN, and sequences without a model token are left out
   of per-sequence means: a trajectory whose model wrote nothing (e.g. truncated at the prompt)
   contributes no loss and no gradient instead of poisoning the batch.
@@ -362,11 +368,33 @@ def agg_loss(loss_BR: torch.Tensor, mask_BR: torch.Tensor, mode: LossAgg | str,
     return masked_mean(seq_B, (count_B > 0).to(seq_B.dtype))
 
 
+def truncated_importance_weights(old_logprobs_BR: torch.Tensor, rollout_logprobs_BR: torch.Tensor,
+                                 model_mask_BR: torch.Tensor, cap: float) -> tuple[torch.Tensor, dict[str, float]]:
+    """Per-token weights min(pi_old / pi_rollout, cap) on the model's tokens, 1 elsewhere (tokens the
+    policy did not sample, e.g. observations when the loss covers them). No gradient.
+
+    Stats over the model's tokens: mean weight before truncation, share truncated, and the k3
+    estimate of KL(pi_rollout || pi_old), the distance between the sampling and the trained policy.
+    """
+    if cap < 1.0:
+        raise ValueError(f"the importance-weight cap must be >= 1, got {cap}")
+    with torch.no_grad():
+        log_w_BR = (old_logprobs_BR - rollout_logprobs_BR).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+        w_BR = log_w_BR.exp()
+        stats = {"mean": masked_mean(w_BR, model_mask_BR).item(),
+                 "truncated": masked_mean((w_BR > cap).float(), model_mask_BR).item(),
+                 "kl": masked_mean(w_BR - 1 - log_w_BR, model_mask_BR).item()}
+        weights_BR = torch.where(model_mask_BR.bool(), w_BR.clamp(max=cap), torch.ones_like(w_BR))
+    return weights_BR, stats
+
+
 def policy_loss(logprobs_BR: torch.Tensor, old_logprobs_BR: torch.Tensor, advantages_BR: torch.Tensor,
                 mask_BR: torch.Tensor, clip_low: float = 0.2, clip_high: float = 0.2,
                 dual_clip_c: float | None = None, agg: LossAgg | str = LossAgg.TOKEN_MEAN,
-                norm_length: float | None = None) -> tuple[torch.Tensor, dict[str, float]]:
-    """PPO clipped surrogate, ratio clipped to [1 - clip_low, 1 + clip_high], optional dual clip.
+                norm_length: float | None = None,
+                weights_BR: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+    """PPO clipped surrogate, ratio clipped to [1 - clip_low, 1 + clip_high], optional dual clip;
+    `weights_BR` (e.g. truncated importance weights) multiply each token's term.
 
     Returns (loss, stats) with python-float stats: clipfrac (tokens where the clipped term is
     active), approx_kl (k3 estimate of KL(pi_old || pi_theta)), dual_clip_frac, ratio_max.
@@ -385,6 +413,8 @@ def policy_loss(logprobs_BR: torch.Tensor, old_logprobs_BR: torch.Tensor, advant
         loss_BR = torch.where(advantages_BR < 0, capped_BR, loss_BR)
     else:
         dual_clipped_BR = torch.zeros_like(mask_BR, dtype=torch.bool)
+    if weights_BR is not None:
+        loss_BR = loss_BR * weights_BR
     loss = agg_loss(loss_BR, mask_BR, agg, norm_length)
 
     with torch.no_grad():

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from verl.batch import RolloutBatch
 from verl.trainer.config import ActorConfig, ModelConfig
-from verl.trainer.core_algos import agg_loss, kl_penalty, policy_loss
+from verl.trainer.core_algos import agg_loss, kl_penalty, policy_loss, truncated_importance_weights
 from verl.workers.distributed import compute_device, mixed_precision_context, shard
 from verl.workers.modeling import build_causal_lm, compile_layers, pick_attn_implementation
 from verl.workers.packing import forward_packed, tokens_per_pack
@@ -115,13 +115,17 @@ class Actor(TrainedModel):
                     compute_entropy=True, max_tokens_per_pack=self.max_tokens_per_pack,
                     entropy_grad=cfg.entropy_coeff != 0)
             old_BR = logprobs_BR.detach() if on_policy else micro.old_logprobs_BR
+            weights_BR, is_stats = None, {}
+            if micro.rollout_logprobs_BR is not None:  # sampled by older weights (trainer.overlap_rollout)
+                weights_BR, is_stats = truncated_importance_weights(old_BR, micro.rollout_logprobs_BR,
+                                                                    micro.loss_mask_BR, cfg.rollout_is_cap)
             pg_loss, pg_stats = policy_loss(logprobs_BR, old_BR, micro.advantages_BR, mask_BR,
                                             cfg.clip_ratio_low, cfg.clip_ratio_high, cfg.clip_ratio_c,
-                                            agg=self.loss_agg, norm_length=loss_norm_length)
+                                            agg=self.loss_agg, norm_length=loss_norm_length, weights_BR=weights_BR)
             entropy = agg_loss(entropy_BR, mask_BR, self.loss_agg, loss_norm_length)
             loss = pg_loss - cfg.entropy_coeff * entropy if cfg.entropy_coeff else pg_loss
             stats = {"pg_loss": pg_loss.item(), "entropy": entropy.item(), "clipfrac": pg_stats["clipfrac"],
-                     "approx_kl": pg_stats["approx_kl"]}
+                     "approx_kl": pg_stats["approx_kl"], **{f"rollout_is_{k}": v for k, v in is_stats.items()}}
             if cfg.use_kl_loss:
                 kl = agg_loss(kl_penalty(logprobs_BR, micro.ref_logprobs_BR, cfg.kl_loss_type), mask_BR,
                               self.loss_agg, loss_norm_length)

@@ -361,7 +361,7 @@ def test_agg_loss_unknown_mode(mask_BR):
 
 # ----------------------------------------------------------------------------- policy loss
 
-def naive_ppo(logp, old, adv, mask, cl, ch, c, mode):
+def naive_ppo_tokens(logp, old, adv, cl, ch, c):
     loss = []
     for lr, orow, arow in zip(logp, old, adv):
         row = []
@@ -372,7 +372,11 @@ def naive_ppo(logp, old, adv, mask, cl, ch, c, mode):
                 val = min(val, -c * a)
             row.append(val)
         loss.append(row)
-    return naive_agg(loss, mask, mode, norm_length=len(mask[0]))
+    return loss
+
+
+def naive_ppo(logp, old, adv, mask, cl, ch, c, mode):
+    return naive_agg(naive_ppo_tokens(logp, old, adv, cl, ch, c), mask, mode, norm_length=len(mask[0]))
 
 
 @pytest.mark.parametrize("mode", [m.value for m in ca.LossAgg])
@@ -393,6 +397,34 @@ def test_policy_loss_matches_loop(mask_BR, mode, dual_clip_c):
     keep = mask_BR.bool()
     close(stats["ratio_max"], ratio[keep].max())
     close(stats["approx_kl"], (ratio - 1 - (logp - old))[keep].mean())
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum"])
+def test_truncated_importance_weights_match_loop(mask_BR, mode):
+    # Off-policy steps: each token's PPO term times min(pi_old / pi_rollout, cap); 1 off the model's tokens.
+    torch.manual_seed(8)
+    rollout = -torch.rand(B, R) * 3
+    old = rollout + torch.randn(B, R) * 0.9       # some weights far above the cap, some far below 1
+    logp = old + torch.randn(B, R) * 0.3
+    adv = torch.randn(B, R)
+    weights, stats = ca.truncated_importance_weights(old, rollout, mask_BR, cap=2.0)
+    expected_w = [[min(math.exp(o - r), 2.0) if m else 1.0 for o, r, m in zip(orow, rrow, mrow)]
+                  for orow, rrow, mrow in zip(old.tolist(), rollout.tolist(), mask_BR.tolist())]
+    close(weights, torch.tensor(expected_w))
+    keep = mask_BR.bool()
+    raw = (old - rollout).exp()[keep]
+    close(stats["mean"], raw.mean())
+    close(stats["truncated"], (raw > 2.0).float().mean())
+    assert 0 < stats["truncated"] < 1
+    close(stats["kl"], (raw - 1 - (old - rollout)[keep]).mean())
+    loss, _ = ca.policy_loss(logp, old, adv, mask_BR, 0.2, 0.28, agg=mode, weights_BR=weights)
+    per_token = naive_ppo_tokens(logp.tolist(), old.tolist(), adv.tolist(), 0.2, 0.28, None)
+    weighted = [[v * w for v, w in zip(vrow, wrow)] for vrow, wrow in zip(per_token, expected_w)]
+    close(loss, naive_agg(weighted, mask_BR.tolist(), mode, norm_length=R))
+    unweighted, _ = ca.policy_loss(logp, old, adv, mask_BR, 0.2, 0.28, agg=mode, weights_BR=torch.ones(B, R))
+    close(unweighted, ca.policy_loss(logp, old, adv, mask_BR, 0.2, 0.28, agg=mode)[0])
+    with pytest.raises(ValueError, match=">= 1"):
+        ca.truncated_importance_weights(old, rollout, mask_BR, cap=0.5)
 
 
 def test_policy_loss_clipping_cases():

@@ -337,3 +337,18 @@ def test_vllm_without_sleep_mode_never_calls_vllms_sleep(vllm_engine, prompts, m
     vllm_engine.sleep()
     vllm_engine.wake()
     assert [g.token_ids for g in vllm_engine.generate(prompts, GREEDY, stop=[])] == before
+
+
+def test_logprobs_are_those_of_the_distribution_sampled_from(engine, tiny_model, prompts):
+    # The trainer's importance weights (trainer.overlap_rollout) compare these with the actor's
+    # log-softmax(logits / temperature) of the same tokens: a plain forward must give the same.
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    sampling = SamplingConfig(temperature=0.7, max_tokens=12, seed=3, logprobs=True)
+    for prompt, gen in zip(prompts, engine.generate(prompts, sampling, stop=[])):
+        assert gen.logprobs is not None and len(gen.logprobs) == len(gen.token_ids) > 0
+        with torch.no_grad():
+            logits_TV = model(torch.tensor([prompt + gen.token_ids])).logits[0, len(prompt) - 1:-1]
+        expected = (logits_TV / 0.7).log_softmax(-1).gather(-1, torch.tensor(gen.token_ids)[:, None])[:, 0]
+        assert torch.allclose(torch.tensor(gen.logprobs), expected, atol=2e-2), (gen.logprobs, expected.tolist())
+    assert all(g.logprobs is None for g in engine.generate(prompts, replace(sampling, logprobs=False), stop=[]))

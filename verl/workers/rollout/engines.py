@@ -48,6 +48,7 @@ class SamplingConfig:
     max_tokens: int = 512     # new tokens per call
     seed: int | None = None   # makes one call's samples reproducible; ignored by vLLM on CPU
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling
+    logprobs: bool = False    # also return each sampled token's log-prob (Generation.logprobs)
 
 
 @dataclass
@@ -55,6 +56,10 @@ class Generation:
     token_ids: list[int]      # new tokens only, including the matched stop string or EOS
     finish_reason: str        # "stop" (stop string or EOS) or "length"
     stop_reason: str | None = None  # the stop string that matched; None for EOS or length
+    # With SamplingConfig.logprobs: the log-prob of each token under the distribution it was sampled
+    # from (after logit_bias, temperature and top-p), i.e. the behaviour policy of an off-policy step.
+    # With top_p < 1 that is the nucleus, renormalised: above the full softmax's value by its mass.
+    logprobs: list[float] | None = None
 
 
 class Engine(Protocol):
@@ -170,6 +175,7 @@ def _vllm_sampling_params(sampling: SamplingConfig, stop: list[str], seed: int |
         stop=list(stop),
         include_stop_str_in_output=True,  # the tag stays in the trajectory, token for token
         logit_bias=sampling.logit_bias,
+        logprobs=0 if sampling.logprobs else None,  # 0: the sampled token's own log-prob only
     )
 
 
@@ -177,7 +183,10 @@ def _from_vllm_output(output) -> Generation:
     completion = output.outputs[0]
     # stop_reason is the matched string, an int for a stop token id, or None for EOS.
     stop_reason = completion.stop_reason if isinstance(completion.stop_reason, str) else None
-    return Generation(list(completion.token_ids), completion.finish_reason, stop_reason)
+    logprobs = None
+    if completion.logprobs is not None:  # one {token id: Logprob} per generated token
+        logprobs = [float(step[token].logprob) for step, token in zip(completion.logprobs, completion.token_ids)]
+    return Generation(list(completion.token_ids), completion.finish_reason, stop_reason, logprobs)
 
 
 def _vllm_dtype(dtype: str, on_cpu: bool) -> str:
@@ -263,6 +272,9 @@ class VLLMEngine:
 
         self.on_cpu = _on_cpu()
         self.sleep_mode = enable_sleep_mode
+        # Log-probs, where asked for, of the distribution actually sampled from (the trainer's
+        # importance weights compare it with the actor's), not of the raw logits.
+        kw.setdefault("logprobs_mode", "processed_logprobs")
         with _hidden_from_vllm_module_scan():
             self.llm = LLM(
                 model=model_path,
@@ -492,26 +504,35 @@ class HFEngine:
             sequence_bias=bias,
             eos_token_id=sorted(self.eos_ids),
             pad_token_id=self.pad_id,
+            output_scores=sampling.logprobs,  # after bias, temperature and top-p: the scores sampled from
+            return_dict_in_generate=True,
         )
         stopper = _StopOnStrings(self.tokenizer, stop, prompt_len)
-        output_BT = self.model.generate(
+        out = self.model.generate(
             input_ids=input_ids_BT.to(self.device),
             attention_mask=attention_mask_BT.to(self.device),
             generation_config=config,
             stopping_criteria=StoppingCriteriaList([stopper]),
         )
+        new_ids_BN = out.sequences[:, prompt_len:]
+        logprobs_BN = None
+        if sampling.logprobs:
+            scores_BNV = torch.stack(out.scores, dim=1).float().log_softmax(-1)
+            logprobs_BN = scores_BNV.gather(-1, new_ids_BN.unsqueeze(-1)).squeeze(-1).tolist()
         generations = []
-        for row, new_ids in enumerate(output_BT[:, prompt_len:].tolist()):
+        for row, new_ids in enumerate(new_ids_BN.tolist()):
             # Finished rows are padded until the whole batch stops: cut at the first EOS or
             # stop-string match, whichever came first.
             eos_at = next((i + 1 for i, t in enumerate(new_ids) if t in self.eos_ids), None)
             stop_at, stop_str = stopper.hits.get(row, (None, None))
             if eos_at is not None and (stop_at is None or eos_at <= stop_at):
-                generations.append(Generation(new_ids[:eos_at], "stop", None))
+                end, finish, stop_reason = eos_at, "stop", None
             elif stop_at is not None:
-                generations.append(Generation(new_ids[:stop_at], "stop", stop_str))
+                end, finish, stop_reason = stop_at, "stop", stop_str
             else:
-                generations.append(Generation(new_ids, "length", None))  # never padded: it ran to the end
+                end, finish, stop_reason = len(new_ids), "length", None  # never padded: it ran to the end
+            generations.append(Generation(new_ids[:end], finish, stop_reason,
+                                          None if logprobs_BN is None else logprobs_BN[row][:end]))
         return generations
 
 

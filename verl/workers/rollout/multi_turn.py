@@ -80,14 +80,22 @@ class Trajectory:
     tool_failed: bool = False         # a tool call failed: the model saw an error instead
     tool_s: float = 0.0               # seconds this trajectory waited for tools
     metrics: dict[str, float] = field(default_factory=dict)  # an agent's own per-trajectory counts
+    # The engine's log-prob of each response token as sampled (0 on observations); None once a
+    # turn came without them (the engine was not asked: SamplingConfig.logprobs).
+    rollout_logprobs: list[float] | None = field(default_factory=list)
 
     @property
     def done(self) -> bool:
         return self.finish is not None
 
-    def append(self, ids: list[int], model: bool):
+    def append(self, ids: list[int], model: bool, logprobs: list[float] | None = None):
         self.response_ids += ids
         self.loss_mask += [int(model)] * len(ids)
+        if self.rollout_logprobs is not None:
+            if model and logprobs is None:
+                self.rollout_logprobs = None
+            else:
+                self.rollout_logprobs += list(logprobs) if model else [0.0] * len(ids)
 
     def count(self, name: str, n: float = 1) -> None:
         self.metrics[name] = self.metrics.get(name, 0) + n
@@ -139,7 +147,7 @@ class MultiTurnAgent:
         # A few tokens of context in front, so an opening tag written just before this turn (e.g.
         # prefilled at the end of the prompt) is seen too. The ids stay as generated.
         context = (t.prompt_ids + t.response_ids)[-self.context_tokens:]
-        t.append(gen.token_ids, model=True)
+        t.append(gen.token_ids, model=True, logprobs=gen.logprobs)
         self.on_event(t, "model", gen.token_ids)
         t.turns += 1
         return self.parse_turn(t, gen, context, last_turn)

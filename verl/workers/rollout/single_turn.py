@@ -12,6 +12,7 @@ class Completion:
     response_ids: list[int]
     loss_mask: list[int]
     finish: str
+    rollout_logprobs: list[float] | None = None  # the engine's, when asked for (SamplingConfig.logprobs)
 
     def stats(self) -> TrajectoryStats:
         return TrajectoryStats(self.finish, len(self.response_ids), len(self.response_ids), metrics={"turns": 1})
@@ -32,5 +33,5 @@ class SingleTurnLoop:
     def run(self, prompts: list[list[int]], sampling: SamplingConfig) -> list[Completion]:
         sampling = replace(sampling, max_tokens=min(sampling.max_tokens, self.settings.max_tokens_per_turn))
         gens = self.engine.generate(prompts, sampling, stop=[])
-        return [Completion(g.token_ids, [1] * len(g.token_ids), "length" if g.finish_reason == "length" else "eos")
-                for g in gens]
+        return [Completion(g.token_ids, [1] * len(g.token_ids), "length" if g.finish_reason == "length" else "eos",
+                           g.logprobs) for g in gens]
