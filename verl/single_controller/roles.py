@@ -155,6 +155,12 @@ class PolicyWorker:
         from verl.workers.rollout.agent_loop import load_agent_loop
 
         cfg, arr = self.cfg, self.cfg.actor_rollout_ref
+        if (cfg.trainer.overlap_rollout and self.sizes.world > 1 and arr.rollout.name == "vllm"
+                and not separate_engine_core(arr.rollout, self.device)):
+            # In-process engines join the workers' process group (external launcher): their calls
+            # from the rollout thread would interleave with the update's collectives.
+            raise ValueError("trainer.overlap_rollout with several workers needs vLLM's engine core in a process "
+                             "of its own: set actor_rollout_ref.rollout.engine_core=separate")
         torch.manual_seed(cfg.trainer.seed + self.rank)
         _init_process_group(self.rank, self.sizes.world, master_addr, master_port, self.device)
         path = arr.model.path

@@ -570,6 +570,9 @@ def _check_ranges(cfg: TrainerConfig) -> None:
     if cfg.actor_rollout_ref.actor.old_log_probs not in ("auto", "recompute"):
         raise ConfigError(f"actor_rollout_ref.actor.old_log_probs={cfg.actor_rollout_ref.actor.old_log_probs!r}: "
                           "use auto or recompute")
+    if cfg.actor_rollout_ref.actor.rollout_is_cap < 1.0:
+        raise ConfigError(f"actor_rollout_ref.actor.rollout_is_cap={cfg.actor_rollout_ref.actor.rollout_is_cap}: "
+                          "importance weights are truncated at a value of at least 1 (default 2)")
     health = cfg.trainer.health
     if health.action not in ("warn", "stop", "rollback"):
         raise ConfigError(f"trainer.health.action={health.action!r}: use warn, stop or rollback")

@@ -92,3 +92,17 @@ def test_multi_turn_keys_select_the_tool_loop_and_refuse_what_it_does_not_read()
         assert check(on + ["retriever.max_failure_rate=0.5"]) == TOOL_LOOP   # the trainer's own check
         with pytest.raises(ConfigError, match="multi_turn.enable=false"):
             check(on[1:])
+
+
+def test_overlapped_rollout_keys_are_checked_at_start_up():
+    from verl.single_controller.roles import PolicyWorker
+    from verl.trainer.config import derive_sizes
+    base = ["data.train_files=t.parquet", "actor_rollout_ref.model.path=m", "trainer.overlap_rollout=true"]
+    with pytest.raises(ConfigError, match="rollout_is_cap"):
+        load_config(OmegaConf.merge(OmegaConf.load(CONFIG), OmegaConf.from_dotlist(
+            base + ["actor_rollout_ref.actor.rollout_is_cap=0.5"])))
+    # several workers with in-process vLLM engines: refused before any process group or engine starts
+    cfg = load_config(OmegaConf.merge(OmegaConf.load(CONFIG), OmegaConf.from_dotlist(
+        base + ["trainer.n_gpus_per_node=2", "actor_rollout_ref.rollout.engine_core=in_process"])))
+    with pytest.raises(ValueError, match="engine_core=separate"):
+        PolicyWorker(0, cfg, derive_sizes(cfg), 1, "cpu").setup("127.0.0.1", 0)
