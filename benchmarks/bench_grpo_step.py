@@ -150,7 +150,8 @@ def main(argv=None):
                                                  "agent/searches", "agent/turns", "agent/retrieval_s",
                                                  "response/observation_tokens",
                                                  "throughput/generated_tokens_per_s",
-                                                 "throughput/train_tokens_per_s", "throughput/mfu_actor_update")
+                                                 "throughput/train_tokens_per_s", "throughput/mfu_actor_update",
+                                                 "rollout_is_mean", "rollout_is_kl", "rollout_is_truncated")
                   if k in row}}
         emit_row(out, a.out)
     print(f"wall {time.perf_counter() - t:.0f} s")
