@@ -345,10 +345,22 @@ def test_logprobs_are_those_of_the_distribution_sampled_from(engine, tiny_model,
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
     sampling = SamplingConfig(temperature=0.7, max_tokens=12, seed=3, logprobs=True)
-    for prompt, gen in zip(prompts, engine.generate(prompts, sampling, stop=[])):
+
+    def check(prompt, gen):
         assert gen.logprobs is not None and len(gen.logprobs) == len(gen.token_ids) > 0
         with torch.no_grad():
             logits_TV = model(torch.tensor([prompt + gen.token_ids])).logits[0, len(prompt) - 1:-1]
         expected = (logits_TV / 0.7).log_softmax(-1).gather(-1, torch.tensor(gen.token_ids)[:, None])[:, 0]
         assert torch.allclose(torch.tensor(gen.logprobs), expected, atol=2e-2), (gen.logprobs, expected.tolist())
+
+    for prompt, gen in zip(prompts, engine.generate(prompts, sampling, stop=[])):
+        check(prompt, gen)
+    if engine.continuous:  # the continuous schedule's path: submit, step until finished
+        for key, prompt in enumerate(prompts):
+            engine.submit(key, prompt, sampling, stop=[])
+        done = {}
+        while engine.has_unfinished():
+            done.update(engine.step())
+        for key, prompt in enumerate(prompts):
+            check(prompt, done[key])
     assert all(g.logprobs is None for g in engine.generate(prompts, replace(sampling, logprobs=False), stop=[]))
