@@ -136,14 +136,15 @@ class PPOTrainer:
                     self.on_parts(self.critic, batch, lambda w, part: w.update_critic.remote(part), "critic update"),
                     prefix="critic/")
         # trainer.critic_warmup: the critic learns alone until then (self.step counts finished steps)
-        if self.step + 1 >= self.cfg.trainer.critic_warmup:
+        actor_learns = self.step + 1 >= self.cfg.trainer.critic_warmup
+        if actor_learns:
             with t("update_actor"):
                 metrics |= _mean_dicts(
                     self.on_parts(self.policy, batch, lambda w, part: w.update_actor.remote(part), "actor update"))
         if self.ahead is not None:  # the engines keep the weights it was started with until it is done
             with t("rollout_ahead_wait"):
                 self.ahead.batch = self.take_ahead(self.ahead)
-        if self.step + 1 >= self.cfg.trainer.critic_warmup:
+        if actor_learns:
             with t("weight_sync"):
                 self.policy.get([w.sync_weights.remote() for w in self.policy.workers], "weight sync", self.step)
         return (metrics | balance | self.throughput(batch, t.seconds, generated_ahead)
@@ -191,7 +192,7 @@ class PPOTrainer:
         batch.info["ground_truth"] = [e.ground_truth for e in examples for _ in range(n)]
         return batch
 
-    def start_ahead(self, n: int) -> "Ahead | None":
+    def start_ahead(self, n: int) -> Ahead | None:
         """trainer.overlap_rollout: draw the next step's examples and start their rollout on the
         workers, with the weights the engines hold now (this step's update is not in them yet)."""
         if not self.cfg.trainer.overlap_rollout or self.step + 1 >= self.total_steps:
@@ -202,10 +203,9 @@ class PPOTrainer:
         self.policy.get([w.generate_ahead.remote(*args) for w, args in calls], "rollout ahead", self.step)
         return Ahead(examples, sampler_state, workers=[w for w, _ in calls])
 
-    def take_ahead(self, ahead: "Ahead") -> RolloutBatch:
+    def take_ahead(self, ahead: Ahead) -> RolloutBatch:
         parts = self.policy.get([w.take_ahead.remote() for w in ahead.workers], "rollout ahead", self.step)
-        n = self.cfg.actor_rollout_ref.rollout.n_agent
-        return self.with_targets(RolloutBatch.concat(parts), ahead.examples, n)
+        return self.with_targets(RolloutBatch.concat(parts), ahead.examples, self.cfg.actor_rollout_ref.rollout.n_agent)
 
     def score(self, batch: RolloutBatch) -> tuple[torch.Tensor, dict]:
         rewards, em, answered, by_source = [], [], [], defaultdict(list)
