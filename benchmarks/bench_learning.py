@@ -21,7 +21,7 @@ of every run that may go at once (`0,0,1,1`: two runs on each of GPUs 0 and 1); 
 free slot, in the order given. Runs that share a GPU keep their engine awake while they train
 (`rollout.enable_sleep=false`: vLLM's sleep fails when another process allocates on the GPU
 meanwhile) and get a KV cache of fixed size (`--kv-gib`: sized from free memory, it came out empty
-for runs starting together); they slow each other down: compare variants at equal steps, not equal
+for runs starting together; their evaluations get the same); they slow each other down: compare variants at equal steps, not equal
 minutes.
 After training, each final model is evaluated greedily on every test question, with EM per
 question type and hop count.
@@ -123,12 +123,13 @@ def prepare_data(out: Path, template: str, types: str) -> dict[str, Path]:
 
 
 def eval_cmd(model: Path, data: Path, url: str, out: Path, mode: str, topk: int, memory: float,
-             limit: int | None) -> list:
+             limit: int | None, kv_gib: float | None = None) -> list:
     return [sys.executable, "-m", "search_r1.cli", "eval", "--model", model, "--data", data,
             *(["--limit", limit] if limit else []),
             "--retriever-url", url, "--mode", mode, "--out", out, "--topk", topk, "--max-turns", MAX_TURNS,
             "--max-response-length", PRESETS["gpu"].response_length, "--max-obs-length", MAX_OBS,
-            "--gpu-memory-utilization", memory, "--enforce-eager"]
+            "--gpu-memory-utilization", memory, "--enforce-eager",
+            *(["--kv-cache-gib", kv_gib] if kv_gib else [])]
 
 
 def train_keys(v: Variant, model: Path, data: dict, url: str, run_dir: Path, minutes: float, memory: float,
@@ -155,6 +156,7 @@ class Job:
         self.v, self.gpu, self.dir, self.url, self.memory = v, gpu, out / v.name, url, memory
         self.eval_limit = eval_limit
         self.data = data
+        self.eval_kv_gib = kv_gib if shared else None   # evaluations share the GPU as training did
         keys = train_keys(v, model, data, url, self.dir, minutes, memory, shared, kv_gib)
         self.proc = run_logged([sys.executable, "-m", "verl.trainer.main_ppo", *keys],
                                self.dir / "train.log", gpu_env(gpu))
@@ -175,7 +177,7 @@ class Job:
         mode = self.evals.pop(0)
         self.phase = f"eval {mode}"
         cmd = eval_cmd(self.dir / "hf_actor", self.data["test"], self.url, self.dir / "eval", mode, self.v.topk,
-                       self.memory, self.eval_limit)
+                       self.memory, self.eval_limit, self.eval_kv_gib)
         self.proc = run_logged(cmd, self.dir / f"eval_{mode}.log", gpu_env(self.gpu))
         return False
 

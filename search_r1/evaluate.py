@@ -82,6 +82,9 @@ class EvalConfig:
     schedule: str = "continuous"
     engine_core: str | None = None    # in_process | separate | None
     gpu_memory_utilization: float = 0.8
+    # vLLM: a KV cache of this many GiB instead of a share of the device's free memory. For a GPU
+    # shared with other processes, whose allocations move the free memory while vLLM measures it.
+    kv_cache_gib: float | None = None
     # vLLM on a GPU: None compiles and captures CUDA graphs (minutes of start-up that pay off on a
     # large evaluation); True starts in seconds, the better choice for a small model or few questions.
     enforce_eager: bool | None = None
@@ -270,7 +273,8 @@ def build_engine(cfg: EvalConfig, model: str, max_model_len: int):
                     "will be cut (lower --max-turns, --max-response-length or --max-obs-length)",
                     max_model_len, positions)
         max_model_len = positions
-    kw = {} if on_gpu else {"kv_cache_memory_bytes": 1 << 30}  # no share-of-RAM probing on CPU
+    kv_gib = cfg.kv_cache_gib or (None if on_gpu else 1.0)  # no share-of-RAM probing on CPU
+    kw = {"kv_cache_memory_bytes": int(kv_gib * 2**30)} if kv_gib else {}
     core = cfg.engine_core or ("separate" if on_gpu else "in_process")
     if core not in ("in_process", "separate"):
         raise ValueError(f"--engine-core {core!r}: use in_process or separate")
@@ -525,6 +529,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--engine-core", choices=["in_process", "separate"],
                    help="vLLM's scheduler in this process or its own (default: separate on a GPU)")
     p.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)
+    p.add_argument("--kv-cache-gib", type=float, help="vLLM: a fixed KV cache of this many GiB instead of a share "
+                   "of the free memory (for a GPU that other processes use at the same time)")
     p.add_argument("--enforce-eager", action="store_true", default=None,
                    help="vLLM on a GPU: skip compiling and CUDA graphs (starts in seconds; small models, few questions)")
     p.add_argument("--seed", type=int, default=d.seed)
@@ -555,7 +561,8 @@ def main(args: argparse.Namespace) -> None:
         max_obs_length=args.max_obs_length, template=args.template, protocol=args.protocol,
         base_model=args.base_model,
         label=args.label, batch_size=args.batch_size, schedule=args.schedule, engine_core=args.engine_core,
-        gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager, seed=args.seed))
+        gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_gib=args.kv_cache_gib,
+        enforce_eager=args.enforce_eager, seed=args.seed))
 
 
 if __name__ == "__main__":  # `python -m search_r1.evaluate eval …`, as scripts/evaluate.sh runs it

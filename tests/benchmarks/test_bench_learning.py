@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-from bench_learning import Variant, merged, signal_stats, table, train_keys  # noqa: E402
+from bench_learning import Variant, eval_cmd, merged, signal_stats, table, train_keys  # noqa: E402
 
 
 def test_a_variant_spec_splits_into_runner_words_and_trainer_keys():
@@ -41,6 +41,15 @@ def test_runs_sharing_a_gpu_get_a_fixed_kv_cache_and_an_engine_that_never_sleeps
             assert rollout.gpu_memory_utilization == 0.12 and "retriever.topk=1" in keys
             assert rollout.enable_sleep is not shared
             assert rollout.engine_kwargs == ({"kv_cache_memory_bytes": 2 << 30} if shared else None)
+
+
+def test_an_evaluation_on_a_shared_gpu_asks_for_the_same_fixed_kv_cache():
+    from search_r1.cli import build_parser
+    for kv_gib in (None, 2.0):
+        cmd = eval_cmd(Path("m"), Path("t.parquet"), "http://127.0.0.1:1/retrieve", Path("o"), "search", 3, 0.12,
+                       None, kv_gib)
+        args = build_parser().parse_args([str(c) for c in cmd[3:]])
+        assert args.kv_cache_gib == kv_gib and args.gpu_memory_utilization == 0.12
 
 
 def test_the_signal_summary_counts_missing_finish_reasons_as_zero():

@@ -261,14 +261,15 @@ def test_evaluate_sh(tiny_model_dir, test_parquet, tmp_path):
 @pytest.mark.e2e  # a vLLM engine
 def test_eval_vllm_continuous_with_its_own_core_matches_sync(tiny_model_dir, test_parquet, bm25_server, tmp_path):
     """vLLM with the default schedule (continuous) and the engine core in a child process gives the
-    greedy responses of the sync schedule with the core in this process, and the child ends cleanly.
+    greedy responses of the sync schedule with the core in this process, and the child ends cleanly;
+    `--kv-cache-gib` reaches vLLM.
     (Multi-turn agreement of the schedules: tests/search_r1/agent/test_loop.py.)"""
     from conftest import vllm_skip_reason
     if reason := vllm_skip_reason():
         pytest.skip(reason)
 
-    def evaluate_with(*flags):
-        out = tmp_path / "_".join(flags).replace("-", "")
+    def evaluate_with(name, *flags):
+        out = tmp_path / name
         r = subprocess.run(["python", "-m", "search_r1.cli", "eval", "--model", tiny_model_dir, "--data", test_parquet,
                             "--retriever-url", bm25_server.url + "/retrieve", "--limit", "6", "--max-turns", "2",
                             "--max-response-length", "64", "--max-obs-length", "96", "--out", str(out), *flags],
@@ -277,10 +278,11 @@ def test_eval_vllm_continuous_with_its_own_core_matches_sync(tiny_model_dir, tes
         preds = [json.loads(l) for l in (out / "predictions_search.jsonl").read_text().splitlines()]
         return preds, r.stdout + r.stderr
 
-    sync, _ = evaluate_with("--schedule", "sync", "--engine-core", "in_process")
-    continuous, log = evaluate_with("--engine-core", "separate")
+    sync, _ = evaluate_with("sync", "--schedule", "sync", "--engine-core", "in_process")
+    continuous, log = evaluate_with("continuous", "--engine-core", "separate", "--kv-cache-gib", "0.25")
     assert [p["response"] for p in continuous] == [p["response"] for p in sync]
-    assert json.loads((tmp_path / "enginecore_separate" / "eval_search.json").read_text())["schedule"] == "continuous"
+    assert "Explicitly set (0.25/" in log   # vLLM took the fixed KV cache (for a shared GPU)
+    assert json.loads((tmp_path / "continuous" / "eval_search.json").read_text())["schedule"] == "continuous"
     assert "exited unexpectedly" not in log and "resource_tracker" not in log
 
 
