@@ -626,6 +626,10 @@ def derive_sizes(cfg: TrainerConfig) -> Sizes:
     need((mini // world) % micro == 0,
          f"actor.ppo_mini_batch_size / workers = {mini // world} trajectories is not divisible "
          f"by actor.ppo_micro_batch_size / workers = {micro}")
+    critic_micro = cfg.critic.ppo_micro_batch_size // world
+    need(cfg.algorithm.adv_estimator != "gae" or (mini // world) % critic_micro == 0,
+         f"the critic updates on the actor's mini-batches: actor.ppo_mini_batch_size / workers = "
+         f"{mini // world} trajectories is not divisible by critic.ppo_micro_batch_size / workers = {critic_micro}")
     return Sizes(world, cfg.data.train_batch_size, per_step, per_step // world, mini // world, micro,
                  cfg.actor_rollout_ref.rollout.log_prob_micro_batch_size // world,
                  cfg.critic.ppo_micro_batch_size // world)

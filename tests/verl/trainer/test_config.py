@@ -106,3 +106,21 @@ def test_overlapped_rollout_keys_are_checked_at_start_up():
         base + ["trainer.n_gpus_per_node=2", "actor_rollout_ref.rollout.engine_core=in_process"])))
     with pytest.raises(ValueError, match="engine_core=separate"):
         PolicyWorker(0, cfg, derive_sizes(cfg), 1, "cpu").setup("127.0.0.1", 0)
+
+
+def test_batch_sizes_that_do_not_split_are_refused_at_start_up_naming_the_keys():
+    from verl.trainer.config import derive_sizes
+    base = ["data.train_files=t.parquet", "actor_rollout_ref.model.path=m", "data.train_batch_size=160",
+            "actor_rollout_ref.rollout.n_agent=1", "actor_rollout_ref.actor.ppo_mini_batch_size=160",
+            "actor_rollout_ref.actor.ppo_micro_batch_size=32", "critic.ppo_micro_batch_size=64"]
+
+    def sizes(*extra):
+        return derive_sizes(load_config(OmegaConf.merge(OmegaConf.load(CONFIG), OmegaConf.from_dotlist(
+            base + list(extra)))))
+    assert sizes("algorithm.adv_estimator=grpo").mini_batch_trajectories_per_worker == 160  # no critic
+    # the critic steps through the actor's mini-batches: 160 does not split into micro-batches of 64
+    with pytest.raises(ConfigError, match="critic.ppo_micro_batch_size / workers = 64"):
+        sizes("algorithm.adv_estimator=gae")
+    assert sizes("algorithm.adv_estimator=gae", "critic.ppo_micro_batch_size=32").critic_micro_trajectories_per_worker == 32
+    with pytest.raises(ConfigError, match="actor.ppo_micro_batch_size / workers = 64"):
+        sizes("algorithm.adv_estimator=grpo", "actor_rollout_ref.actor.ppo_micro_batch_size=64")
