@@ -401,8 +401,11 @@ class RunConfig:
     default_hdfs_dir: str | None = key(None, "the original's HDFS copy of checkpoints: only null (checkpoints stay "
                                              "in default_local_dir)")
     keep_last_checkpoints: int = key(2, "checkpoints kept; older ones are deleted once a newer one is complete")
-    overlap_rollout: bool = key(False, "generate the next step's trajectories while this step trains, so a step "
-                                       "waits for the longer of the two instead of their sum. Those trajectories "
+    overlap_rollout: bool = key(False, "generate the next step's trajectories while this step trains, so that a "
+                                       "step waits for the longer of the two instead of their sum; on a GPU of its "
+                                       "own the training passes beside the rollout thread slowed down more than "
+                                       "that saved (benchmarks/RESULTS.md), so use it where something outside the "
+                                       "worker slows the rollout, e.g. slow searches. Those trajectories "
                                        "are one update old: the actor loss corrects with truncated importance "
                                        "weights (actor.rollout_is_cap) from the engine's log-probs. The engine "
                                        "stays awake while the actor trains (no sleep mode): leave room with "
