@@ -30,6 +30,7 @@ CHARTS = [
     ("Validation EM by data source", ["val/reward/em/*"]),
     ("Response length (tokens)", ["response/length", "response/model_tokens", "response/observation_tokens"]),
     ("Searches and turns per trajectory", ["agent/searches", "agent/turns", "val/agent/searches"]),
+    ("Validation by hop count: EM and searches", ["val/em_by_hops/*", "val/searches_by_hops/*"]),
     ("How trajectories end (fraction)", ["agent/finish_*"]),
     ("KL", ["kl_loss", "kl/reward_kl", "approx_kl"]),
     ("Entropy", ["entropy"]),
@@ -51,7 +52,9 @@ TAG_RE = re.compile(r"<(think|search|information|answer)>")
 # The comparison of several runs: one chart per metric, one line per run.
 COMPARE = [("Validation EM", "val/reward/em"), ("Training reward (sampled)", "reward/mean"),
            ("Groups with all-equal rewards (no GRPO signal)", "reward/flat_groups"),
-           ("Searches per trajectory", "agent/searches"), ("Answer rate", "agent/finish_answer"),
+           ("Searches per trajectory", "agent/searches"),
+           ("Searches per two-hop question (validation)", "val/searches_by_hops/2"),
+           ("Answer rate", "agent/finish_answer"),
            ("Entropy", "entropy"), ("KL to the reference", "kl_loss"), ("Response length (tokens)", "response/length")]
 
 

@@ -58,7 +58,8 @@ def make_run(root: Path) -> Path:
                     "timing_s/ref_log_probs": 4.0, "timing_s/advantages": 0.1, "timing_s/update_actor": 12.0,
                     "timing_s/weight_sync": 0.4, "timing_s/step": 53.0}
         if step in VAL_STEPS:
-            row |= {"val/reward/em": 0.1 + 0.04 * step, "timing_s/validation": 20.0}
+            row |= {"val/reward/em": 0.1 + 0.04 * step, "timing_s/validation": 20.0,
+                    "val/em_by_hops/1": 0.5, "val/em_by_hops/2": 0.1, "val/searches_by_hops/2": 1.5}
         rows.append(json.dumps(row))
     (run / "metrics.jsonl").write_text("\n".join(rows) + '\n{"step": 11, "reward/me')  # cut while writing
     for step in VAL_STEPS:   # 10 must sort after 5 (by number, not by name)
@@ -121,6 +122,8 @@ def test_header_and_charts(run_dir):
     # one point per logged step; NaN (grad_norm at step 3) and the half-written last line are skipped
     assert len(polyline_points(tags, "reward/mean")) == len(TRAIN_STEPS)
     assert len(polyline_points(tags, "val/reward/em")) == len(VAL_STEPS)
+    for key in ["val/em_by_hops/1", "val/em_by_hops/2", "val/searches_by_hops/2"]:   # the hop-count chart
+        assert len(polyline_points(tags, key)) == len(VAL_STEPS), key
     assert len(polyline_points(tags, "grad_norm")) == len(TRAIN_STEPS) - 1
     for key in ["reward/em", "reward/em/nq", "reward/em/hotpotqa", "response/length", "agent/searches",
                 "agent/turns", "agent/finish_answer", "kl_loss", "entropy"]:

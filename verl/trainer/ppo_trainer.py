@@ -190,6 +190,7 @@ class PPOTrainer:
     def with_targets(batch: RolloutBatch, examples: list[Example], n: int) -> RolloutBatch:
         batch.info["data_source"] = [e.data_source for e in examples for _ in range(n)]
         batch.info["ground_truth"] = [e.ground_truth for e in examples for _ in range(n)]
+        batch.info["hops"] = [e.hops for e in examples for _ in range(n)]
         return batch
 
     def start_ahead(self, n: int) -> Ahead | None:
@@ -236,6 +237,14 @@ class PPOTrainer:
         metrics["reward/flat_groups"] = float(np.mean([len(v) == 1 for v in groups.values()]))
         for source, values in by_source.items():
             metrics[f"reward/em/{source}"] = float(np.mean(values))
+        # By hop count where the data gives it: does a two-hop question get its second search?
+        by_hops = defaultdict(list)
+        for hops, value, s in zip(batch.info.get("hops", []), em, stats):
+            if hops is not None:
+                by_hops[hops].append((value, s.tool_calls))
+        for hops, pairs in by_hops.items():
+            metrics[f"em_by_hops/{hops}"] = float(np.mean([value for value, _ in pairs]))
+            metrics[f"searches_by_hops/{hops}"] = float(np.mean([calls for _, calls in pairs]))
         batch.info["reward"] = rewards
         return torch.tensor(rewards, dtype=torch.float32), metrics
 

@@ -56,6 +56,7 @@ class Example:
     data_source: str
     ground_truth: object
     index: int
+    hops: int | None = None   # extra_info.hops where the data has it (the bundled task): metrics by hop count
 
 
 def read_rows(path: str | Path) -> list[dict]:
@@ -160,7 +161,8 @@ def load_examples(files, tokenizer, max_prompt_length: int, apply_chat_template:
             if len(ids) > max_prompt_length:
                 dropped += 1
                 continue
-            rows.append((ids, data_source, ground_truth))
+            hops = (row.get("extra_info") or {}).get("hops")
+            rows.append((ids, data_source, ground_truth, None if hops is None else int(hops)))
             indices.append(index)
             if limit and len(rows) >= limit:
                 break
@@ -170,8 +172,8 @@ def load_examples(files, tokenizer, max_prompt_length: int, apply_chat_template:
         log.warning("dropped %d prompts longer than data.max_prompt_length=%d tokens", dropped, max_prompt_length)
     if not rows:
         raise ValueError(f"no usable prompts in {files}")
-    return [Example(ids, source, gt, gid)
-            for (ids, source, gt), gid in zip(rows, group_ids(indices, files))]
+    return [Example(ids, source, gt, gid, hops)
+            for (ids, source, gt, hops), gid in zip(rows, group_ids(indices, files))]
 
 
 class PromptSampler:

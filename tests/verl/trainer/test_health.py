@@ -268,7 +268,7 @@ def test_scoring_reports_flat_groups_and_trajectories_without_an_action():
     batch = pack_trajectories([[1]] * 4, [[ord(c) for c in t] for t in texts], [[1] * len(t) for t in texts],
                               [0, 0, 1, 1], 0)
     batch.info = {"response_text": texts, "data_source": ["nq"] * 4,
-                  "ground_truth": [{"target": ["Paris"]}] * 4,
+                  "ground_truth": [{"target": ["Paris"]}] * 4, "hops": [2, 2, 1, None],
                   # the second answered in a turn that ended with eos, as the tool-calling loop records it
                   "stats": [TrajectoryStats("answer", 9, 9, tool_calls=1), TrajectoryStats("eos", 3, 3),
                             TrajectoryStats("eos", 3, 3), TrajectoryStats("length", 3, 3)]}
@@ -276,3 +276,7 @@ def test_scoring_reports_flat_groups_and_trajectories_without_an_action():
     assert rewards.tolist() == pytest.approx([0.9, 0.0, 0.0, 0.0])   # EM 1 less one search at 0.1
     assert metrics["reward/flat_groups"] == 0.5          # group 1's rewards are all 0
     assert metrics[NO_ACTION] == 0.5                      # two neither searched nor answered
+    # by hop count, over the rows that have one: the two-hop pair searched once in two, got one right
+    assert (metrics["em_by_hops/2"], metrics["searches_by_hops/2"]) == (0.5, 0.5)
+    assert (metrics["em_by_hops/1"], metrics["searches_by_hops/1"]) == (0.0, 0.0)
+    assert not any(k.endswith("/None") for k in metrics)
