@@ -21,8 +21,8 @@ of every run that may go at once (`0,0,1,1`: two runs on each of GPUs 0 and 1); 
 free slot, in the order given. Runs that share a GPU keep their engine awake while they train
 (`rollout.enable_sleep=false`: vLLM's sleep fails when another process allocates on the GPU
 meanwhile) and get a KV cache of fixed size (`--kv-gib`: sized from free memory, it came out empty
-for runs starting together; their evaluations get the same); they slow each other down: compare variants at equal steps, not equal
-minutes.
+for runs starting together), their evaluations too; they slow each other down: compare variants at
+equal steps, not equal minutes.
 After training, each final model is evaluated greedily on every test question, with EM per
 question type and hop count.
 

@@ -121,6 +121,7 @@ def test_batch_sizes_that_do_not_split_are_refused_at_start_up_naming_the_keys()
     # the critic steps through the actor's mini-batches: 160 does not split into micro-batches of 64
     with pytest.raises(ConfigError, match="critic.ppo_micro_batch_size / workers = 64"):
         sizes("algorithm.adv_estimator=gae")
-    assert sizes("algorithm.adv_estimator=gae", "critic.ppo_micro_batch_size=32").critic_micro_trajectories_per_worker == 32
+    fitting = sizes("algorithm.adv_estimator=gae", "critic.ppo_micro_batch_size=32")
+    assert fitting.critic_micro_trajectories_per_worker == 32
     with pytest.raises(ConfigError, match="actor.ppo_micro_batch_size / workers = 64"):
         sizes("algorithm.adv_estimator=grpo", "actor_rollout_ref.actor.ppo_micro_batch_size=64")
