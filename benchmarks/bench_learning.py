@@ -30,7 +30,8 @@ Writes DIR/<variant>/ (the run: metrics.jsonl, samples, eval_*), DIR/results.jso
 (`search-r1 report` over the runs: their curves side by side) and prints a
 Markdown table: steps, minutes, final EM ± s.e., EM and searches per question by hops and type, and,
 from the first 10 steps, what the reward signal looked like (share of groups with all-equal rewards,
-answer rate, searches per trajectory).
+answer rate, searches per trajectory), and the searches per two-hop question at the first and last
+validation.
 """
 from __future__ import annotations
 
@@ -195,13 +196,18 @@ def signal_stats(rows: list[dict], first: int = 10) -> dict:
             "searches": mean(searches), "reward": mean("reward/mean")}
 
 
+TWO_HOP = "val/searches_by_hops/2"   # does the policy keep (or learn) the second search?
+
+
 def summarize(v: Variant, run_dir: Path, phase: str) -> dict:
     from search_r1.report import read_metrics
     rows = read_metrics(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").exists() else []
     steps = [r for r in rows if "reward/mean" in r]
     out = {"variant": v.name, "start": v.start, "template": v.template, "overrides": v.overrides, "status": phase,
            "steps": len(steps), "minutes": (steps[-1]["time"] - rows[0]["time"]) / 60 if steps else 0.0,
-           "curve": [{"step": r["step"], "val_em": r["val/reward/em"]} for r in rows if "val/reward/em" in r],
+           "curve": [{"step": r["step"], "val_em": r["val/reward/em"],
+                      **({"two_hop_searches": r[TWO_HOP]} if TWO_HOP in r else {})}
+                     for r in rows if "val/reward/em" in r],
            "train_reward": [round(r["reward/mean"], 4) for r in steps],
            "signal_first_10": signal_stats(rows),
            "rollbacks": max((r.get("health/rollbacks", 0) for r in rows), default=0),
@@ -219,8 +225,8 @@ def summarize(v: Variant, run_dir: Path, phase: str) -> dict:
 
 def table(results: list[dict]) -> str:
     lines = ["| variant | start | steps | min | EM (all) ± s.e. | searches | by group: EM / searches | "
-             "first 10 steps: flat groups, answer rate, searches |",
-             "|---|---|---:|---:|---:|---:|---|---|"]
+             "first 10 steps: flat groups, answer rate, searches | two-hop searches, validation: first → last |",
+             "|---|---|---:|---:|---:|---:|---|---|---|"]
     for r in results:
         e = r.get("eval_search") or {}
         groups = "; ".join(f"{g}: {d.get('em', 0):.2f} / {d.get('searches', 0):.2f}"
@@ -228,9 +234,11 @@ def table(results: list[dict]) -> str:
         s = r["signal_first_10"]
         fmt = lambda x: "-" if x is None else f"{x:.2f}"  # noqa: E731
         em = f"{e['em']:.3f} ± {e['se']:.3f}" if e else r["status"]
+        two_hop = [c["two_hop_searches"] for c in r["curve"] if "two_hop_searches" in c]
+        two_hop = f"{two_hop[0]:.2f} → {two_hop[-1]:.2f}" if two_hop else "-"
         lines.append(f"| {r['variant']} | {r['start']} | {r['steps']} | {r['minutes']:.1f} | {em} | "
                      f"{fmt(e.get('searches'))} | {groups} | {fmt(s['flat_groups'])}, {fmt(s['answer_rate'])}, "
-                     f"{fmt(s['searches'])} |")
+                     f"{fmt(s['searches'])} | {two_hop} |")
     return "\n".join(lines)
 
 

@@ -62,11 +62,29 @@ def test_the_signal_summary_counts_missing_finish_reasons_as_zero():
 
 def test_the_table_has_a_row_per_variant_and_says_why_one_has_no_em():
     done = {"variant": "a", "start": "sft", "steps": 3, "minutes": 1.0, "status": "done",
+            "curve": [{"step": 0, "val_em": 0.4, "two_hop_searches": 1.7}, {"step": 3, "val_em": 0.5,
+                                                                             "two_hop_searches": 1.0}],
             "signal_first_10": {"flat_groups": 0.5, "answer_rate": None, "searches": 1.0},
             "eval_search": {"em": 0.5, "se": 0.05, "searches": 1.2, "per_group": {"hops=1": {"em": 0.9, "searches": 1.0}}}}
     failed = {"variant": "b", "start": "base", "steps": 0, "minutes": 0.0, "status": "failed (train, exit 1)",
+              "curve": [],
               "signal_first_10": {"flat_groups": None, "answer_rate": None, "searches": None}}
     lines = table([done, failed]).splitlines()
     assert len(lines) == 4
-    assert "| a | sft | 3 | 1.0 | 0.500 ± 0.050 | 1.20 | hops=1: 0.90 / 1.00 | 0.50, -, 1.00 |" == lines[2]
+    assert lines[2] == ("| a | sft | 3 | 1.0 | 0.500 ± 0.050 | 1.20 | hops=1: 0.90 / 1.00 | 0.50, -, 1.00 "
+                        "| 1.70 → 1.00 |")
     assert "failed (train, exit 1)" in lines[3]
+
+
+def test_the_summary_keeps_the_two_hop_searches_of_each_validation(tmp_path):
+    import json
+
+    from bench_learning import summarize
+    rows = [{"step": 0, "time": 0.0, "val/reward/em": 0.4, "val/searches_by_hops/2": 1.7},
+            {"step": 1, "time": 30.0, "reward/mean": 0.2},
+            {"step": 2, "time": 60.0, "reward/mean": 0.3, "val/reward/em": 0.5, "val/searches_by_hops/2": 1.0}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = summarize(Variant.parse("plain eval=none"), tmp_path, "done")
+    assert out["curve"] == [{"step": 0, "val_em": 0.4, "two_hop_searches": 1.7},
+                            {"step": 2, "val_em": 0.5, "two_hop_searches": 1.0}]
+    assert out["steps"] == 2 and out["minutes"] == 1.0
