@@ -124,10 +124,10 @@ def prepare_data(out: Path, template: str, types: str) -> dict[str, Path]:
 
 
 def eval_cmd(model: Path, data: Path, url: str, out: Path, mode: str, topk: int, memory: float,
-             limit: int | None, kv_gib: float | None = None) -> list:
+             limit: int | None, kv_gib: float | None = None, max_turns: int = MAX_TURNS) -> list:
     return [sys.executable, "-m", "search_r1.cli", "eval", "--model", model, "--data", data,
             *(["--limit", limit] if limit else []),
-            "--retriever-url", url, "--mode", mode, "--out", out, "--topk", topk, "--max-turns", MAX_TURNS,
+            "--retriever-url", url, "--mode", mode, "--out", out, "--topk", topk, "--max-turns", max_turns,
             "--max-response-length", PRESETS["gpu"].response_length, "--max-obs-length", MAX_OBS,
             "--gpu-memory-utilization", memory, "--enforce-eager",
             *(["--kv-cache-gib", kv_gib] if kv_gib else [])]
@@ -178,7 +178,8 @@ class Job:
         mode = self.evals.pop(0)
         self.phase = f"eval {mode}"
         cmd = eval_cmd(self.dir / "hf_actor", self.data["test"], self.url, self.dir / "eval", mode, self.v.topk,
-                       self.memory, self.eval_limit, self.eval_kv_gib)
+                       self.memory, self.eval_limit, self.eval_kv_gib,
+                       int(self.v.overrides.get("max_turns", MAX_TURNS)))   # searches as the run trained with
         self.proc = run_logged(cmd, self.dir / f"eval_{mode}.log", gpu_env(self.gpu))
         return False
 

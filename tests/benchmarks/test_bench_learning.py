@@ -49,7 +49,10 @@ def test_an_evaluation_on_a_shared_gpu_asks_for_the_same_fixed_kv_cache():
         cmd = eval_cmd(Path("m"), Path("t.parquet"), "http://127.0.0.1:1/retrieve", Path("o"), "search", 3, 0.12,
                        None, kv_gib)
         args = build_parser().parse_args([str(c) for c in cmd[3:]])
-        assert args.kv_cache_gib == kv_gib and args.gpu_memory_utilization == 0.12
+        assert args.kv_cache_gib == kv_gib and args.gpu_memory_utilization == 0.12 and args.max_turns == 3
+    cmd = eval_cmd(Path("m"), Path("t.parquet"), "http://127.0.0.1:1/retrieve", Path("o"), "search", 3, 0.12,
+                   None, None, max_turns=4)   # a variant trained with max_turns=4 is evaluated with 4
+    assert build_parser().parse_args([str(c) for c in cmd[3:]]).max_turns == 4
 
 
 def test_the_signal_summary_counts_missing_finish_reasons_as_zero():
