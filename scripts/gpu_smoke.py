@@ -9,7 +9,7 @@ before calling a change to a GPU path done. Parts:
 
 - gpu-tests       every tests/**/*_gpu.py (skips count as failures unless a test needs more GPUs)
 - eval-separate   `search-r1 eval` with vLLM, engine core in its own process (the default on a GPU)
-- eval-inprocess  the same with the engine core in this process
+- eval-inprocess  the same with the engine core in this process and a fixed KV cache (--kv-cache-gib)
 - demo            `python -m search_r1.demo --preset gpu --retriever bm25 --grpo-minutes 1`
 - demo-tools      the same with `--protocol tools` (tool calls through the chat template)
 - grpo-0.5b       one GRPO step of a Qwen2.5-0.5B-shaped model through `verl.trainer.main_ppo` (Ray)
@@ -70,12 +70,12 @@ def parts(out: Path, gpu_count: int, tokenizer: str) -> list[Part]:
     bm25 = ServerProcess(["--retriever_name", "bm25", "--index_path", str(index), "--corpus_path", str(corpus)],
                          out / "bm25_server.log")
 
-    def eval_part(core: str) -> Part:
+    def eval_part(core: str, *flags) -> Part:
         dest = out / f"eval_{core}"
         return Part(f"eval-{core.replace('_', '')}", 1, [sh(
             PY, "-m", "search_r1.cli", "eval", "--model", model, "--data", test, "--retriever-url",
             f"{bm25.url}/retrieve", "--limit", EVAL_QUESTIONS, "--mode", "search", "--engine", "vllm",
-            "--engine-core", core, "--max-turns", 3, "--out", dest)],
+            "--engine-core", core, "--max-turns", 3, "--out", dest, *flags)],
             lambda: expect_eval(dest / "eval_search.json"))
 
     enc, dense = out / "e5-shaped-random", out / "dense_index"
@@ -97,7 +97,7 @@ def parts(out: Path, gpu_count: int, tokenizer: str) -> list[Part]:
                                                  *sorted(str(p) for p in ROOT.glob("tests/**/*_gpu.py")))],
              lambda: expect_no_skips(out / "gpu-tests.log", gpu_count)),
         eval_part("separate"),
-        eval_part("in_process"),
+        eval_part("in_process", "--kv-cache-gib", 2),   # a fixed KV cache, as on a GPU shared with other runs
         Part("grpo-0.5b", 1, [sh(PY, ROOT / "benchmarks" / "bench_grpo_step.py", "--shape", "0.5b", "--steps", 1,
                                  "--prompts", 8, "--n", 4, "--max-turns", 2, "--search-every", 100,
                                  "--workdir", out / "grpo", "--out", out / "grpo.jsonl",
