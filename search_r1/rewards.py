@@ -305,8 +305,11 @@ def compute_score(response: str, ground_truth: GroundTruth, *, format_score: flo
     i.e. correct+valid -> 1, correct+invalid -> 1 - format_score, wrong+valid -> format_score,
     wrong+invalid -> 0. Two optional additions, only when the answer is wrong:
     - wrong+invalid but with a complete <answer> block -> `structure_bonus` instead of 0;
-    - a gold answer appears in some <information> block (the search found it but the model
-      did not use it) -> `retrieval_score` is added.
+    - wrong+valid and a gold answer appears in some <information> block (the search found it
+      but the model did not use it) -> `retrieval_score` is added. Only a valid trajectory, one
+      that ends in an answer, earns it, as in the original: paid on any trajectory, a policy
+      trained without SFT learned to search until it ran out of turns and never answer
+      (benchmarks/RESULTS.md, "The rl-only preset").
     A correct answer then pays `search_cost` once per search the response made (per <information>
     block, i.e. per search the environment answered), so a policy can trade searches for accuracy.
     Wrong answers pay nothing: with GRPO's advantages divided by each group's reward std, a cost on
@@ -339,7 +342,7 @@ def compute_score(response: str, ground_truth: GroundTruth, *, format_score: flo
     if not em:
         if not valid and answer is not None:
             score = structure_bonus
-        if hit:
+        if hit and valid:
             score += retrieval_score
     if search_cost and em:
         score -= search_cost * len(_INFORMATION.findall(as_tags(response)))

@@ -252,7 +252,8 @@ SCHEME = dict(format_score=0.2, structure_bonus=0.1, retrieval_score=0.3)
     (INVALID_CORRECT, 1.0, 0.8),
     (INVALID_WRONG_WITH_ANSWER, 0.0, 0.1),
     (INVALID_NO_ANSWER, 0.0, 0.0),
-    (INVALID_NO_ANSWER_HIT, 0.0, 0.3),
+    (INVALID_NO_ANSWER_HIT, 0.0, 0.0),   # the retrieval term pays valid trajectories only
+    (trajectory("Lyon", info=INFO_PARIS) + " trailing", 0.0, 0.1),
     (trajectory("Paris", info=INFO_PARIS), 1.0, 1.0),     # no retrieval bonus on a correct answer
 ])
 def test_compute_score_matrix(response, default, configured):

@@ -310,8 +310,8 @@ class RewardConfig:
                                    "original's reward_model.structure_format_score")
     final_format_score: float = key(0.0, "reward of a wrong answer in an invalid format that still has an answer "
                                          "block, at most format_score; the original's reward_model.final_format_score")
-    retrieval_score: float = key(0.0, "added to a wrong answer when a retrieved passage held a gold answer; the "
-                                      "original's reward_model.retrieval_score")
+    retrieval_score: float = key(0.0, "added to a wrong answer in the valid format when a retrieved passage held "
+                                      "a gold answer; the original's reward_model.retrieval_score")
     search_cost: float = key(0.0, "subtracted from a correct answer's reward once per search the trajectory made, >= 0")
 
     def kwargs(self) -> dict[str, float]:
