@@ -9,6 +9,8 @@ interpreter's switch interval (`sys.setswitchinterval`, 5 ms by default) before 
 stream of short ops, such as the kernel launches of a forward pass, then waits about one interval per
 op. This script measures that effect alone: the same chain of small matmuls on the CPU, alone and
 beside a thread that only runs Python, at several switch intervals. One row per measurement.
+On a GPU a shorter interval for the rollout thread did not shorten the passes beside it
+(benchmarks/RESULTS.md, "Overlapping the next rollout with training"), so the worker keeps Python's.
 """
 from __future__ import annotations
 

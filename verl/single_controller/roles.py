@@ -8,7 +8,6 @@ import contextlib
 import dataclasses
 import logging
 import os
-import sys
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -19,13 +18,6 @@ from verl.trainer.config import Sizes, TrainerConfig, agent_loop_spec
 from verl.workers.rollout.agent_loop import AgentLoopSettings
 
 log = logging.getLogger(__name__)
-
-# While a rollout runs ahead (trainer.overlap_rollout), its agent loop shares this process's GIL with
-# the reference pass and the update, whose every kernel launch must take the GIL back. Python hands
-# it over only every switch interval (5 ms by default), so a launch-bound pass can wait that long per
-# op (benchmarks/bench_thread_convoy.py; RESULTS.md, "Overlapping the next rollout"). The rollout
-# ahead runs with this shorter interval; the process's own comes back when the rollout ends.
-AHEAD_SWITCH_INTERVAL_S = 0.0002  # seconds
 
 
 def _init_process_group(rank: int, world: int, addr: str, port: int, device: str):
@@ -252,15 +244,7 @@ class PolicyWorker:
         rollout runs while this step trains (trainer.overlap_rollout). `take_ahead` returns it."""
         if self._ahead_pool is None or self._ahead is not None:
             raise RuntimeError("generate_ahead needs trainer.overlap_rollout and no rollout ahead running")
-        before = sys.getswitchinterval()
-
-        def run():
-            try:
-                return self.generate(*args)
-            finally:
-                sys.setswitchinterval(before)
-        sys.setswitchinterval(AHEAD_SWITCH_INTERVAL_S)
-        self._ahead = self._ahead_pool.submit(run)
+        self._ahead = self._ahead_pool.submit(self.generate, *args)
 
     def take_ahead(self) -> RolloutBatch:
         """The batch of the rollout `generate_ahead` started, once it has finished."""

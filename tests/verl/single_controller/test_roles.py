@@ -81,31 +81,3 @@ def test_a_failed_sleep_on_a_shared_gpu_says_why_and_what_to_do():
     assert "another process on the same GPU" in str(error) and "actor_rollout_ref.rollout.enable_sleep=false" in str(error)
     other = ValueError("something else")
     assert shared_gpu_error(other) is other
-
-
-def test_a_rollout_ahead_runs_with_a_short_switch_interval_and_gives_it_back():
-    """The rollout thread's Python would hold the GIL for 5 ms at a time against the training
-    passes' kernel launches; while it runs, the interval is short, and it is restored before
-    take_ahead returns (even when the rollout fails)."""
-    import sys
-    from concurrent.futures import ThreadPoolExecutor
-    from types import SimpleNamespace
-
-    from verl.single_controller.roles import AHEAD_SWITCH_INTERVAL_S, PolicyWorker
-    seen = []
-
-    def generate(*args):
-        seen.append((args, sys.getswitchinterval()))
-        if args == ("fail",):
-            raise RuntimeError("engine died")
-        return "batch"
-    before = sys.getswitchinterval()
-    w = SimpleNamespace(_ahead_pool=ThreadPoolExecutor(1), _ahead=None, generate=generate)
-    PolicyWorker.generate_ahead(w, "prompts")
-    assert PolicyWorker.take_ahead(w) == "batch" and sys.getswitchinterval() == before
-    PolicyWorker.generate_ahead(w, "fail")
-    with pytest.raises(RuntimeError, match="engine died"):
-        PolicyWorker.take_ahead(w)
-    assert sys.getswitchinterval() == before
-    assert [args for args, _ in seen] == [("prompts",), ("fail",)]
-    assert all(interval == pytest.approx(AHEAD_SWITCH_INTERVAL_S) for _, interval in seen)  # stored in µs
