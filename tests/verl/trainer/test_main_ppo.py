@@ -37,8 +37,9 @@ def train(args, out_dir, timeout=900):
     cmd = [sys.executable, "-m", "verl.trainer.main_ppo", *args,
            f"trainer.default_local_dir={out_dir}", "hydra.run.dir=" + str(out_dir / "hydra")]
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                       env={**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{Path(__file__).parent}",
-                            "RAY_DEDUP_LOGS": "0"})
+                       env={**os.environ, "RAY_DEDUP_LOGS": "0", "PYTHONPATH": os.pathsep.join(
+                           # the caller's own entries stay: a GPU node's packages may be found through them
+                           filter(None, [str(ROOT), str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))})
     assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-6000:])
     return [json.loads(l) for l in (out_dir / "metrics.jsonl").read_text().splitlines()], r.stdout + r.stderr
 

@@ -21,8 +21,9 @@ import torch
 from conftest import free_port, vllm_skip_reason
 from test_main_ppo import ROOT, bm25_server, bundled_data, common, train  # noqa: F401 (fixtures)
 
-pytestmark = [pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs"),
-              pytest.mark.skipif(shutil.which("ray") is None, reason="needs the `ray` command")]
+pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+# Ray's command line through this interpreter: on a GPU node the packages' scripts may not be on PATH
+RAY = [sys.executable, "-m", "ray.scripts.scripts"]
 
 
 def visible_gpus() -> list[str]:
@@ -42,10 +43,10 @@ def two_gpu_nodes(monkeypatch):
     args = ["--num-cpus=4", f"--num-gpus={per_node}", "--disable-usage-stats"]
     head = {**base, "CUDA_VISIBLE_DEVICES": ",".join(gpus[:per_node])}
     worker = {**base, "CUDA_VISIBLE_DEVICES": ",".join(gpus[per_node:2 * per_node])}
-    subprocess.run(["ray", "start", "--head", f"--port={port}", "--include-dashboard=false",
+    subprocess.run([*RAY, "start", "--head", f"--port={port}", "--include-dashboard=false",
                     f"--temp-dir={temp}", *args], check=True, env=head, capture_output=True, timeout=180)
     try:
-        subprocess.run(["ray", "start", f"--address=127.0.0.1:{port}", *args], check=True, env=worker,
+        subprocess.run([*RAY, "start", f"--address=127.0.0.1:{port}", *args], check=True, env=worker,
                        capture_output=True, timeout=180)
         yield f"127.0.0.1:{port}", per_node
     finally:
