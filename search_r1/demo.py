@@ -97,7 +97,9 @@ PRESETS = {
 # No SFT: the bundled model writes the tags in about 1 % of its samples, so with plain EM nearly every
 # group is flat. The worked example and a reward for the valid format (an answer in the wrong format
 # earns nothing, so answering at once does not pay) plus one for retrieving the gold answer gave the
-# first signal after about 35 steps; 15 minutes leave room past it.
+# first signal after about 35 steps; 15 minutes leave room past it. The retrieval term pays only
+# trajectories that end in an answer: paying any, it taught this preset to search and never answer
+# (benchmarks/RESULTS.md, "The rl-only preset through the demo").
 PRESETS["rl-only"] = dataclasses.replace(
     PRESETS["gpu"], sft=False, template="example", grpo_minutes=15,
     reward_keys=("reward.format_score=0.2", "reward.final_format_score=0", "reward.retrieval_score=0.3"))
