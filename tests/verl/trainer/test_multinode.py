@@ -48,8 +48,14 @@ def test_grpo_across_two_ray_nodes(two_node_cluster, tiny_model_dir, bundled_dat
         "trainer.total_training_steps=1", "trainer.val_before_train=false"]
     rows, log = train(args, tmp_path / "run")
     assert [r["step"] for r in rows] == [1] and rows[0]["grad_norm"] > 0
-    nodes = json.loads(subprocess.run(
+    assert len(alive_nodes(two_node_cluster)) == 2
+
+
+def alive_nodes(address: str) -> list[dict]:
+    """The live nodes of the cluster at `address`, as ray.nodes() describes them (asked from a
+    process of its own, so this test process never joins the cluster)."""
+    out = subprocess.run(
         [sys.executable, "-c", "import json, ray; ray.init(address=%r, log_to_driver=False); "
-         "print(json.dumps([n['NodeID'] for n in ray.nodes() if n['Alive']]))" % two_node_cluster],
-        capture_output=True, text=True, timeout=120, cwd=ROOT).stdout.splitlines()[-1])
-    assert len(nodes) == 2
+         "print(json.dumps([n for n in ray.nodes() if n['Alive']], default=str))" % address],
+        capture_output=True, text=True, timeout=120, cwd=ROOT).stdout
+    return json.loads(out.splitlines()[-1])

@@ -6,7 +6,6 @@ every GPU of both nodes, so the step's NCCL process group spans the two raylets.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import re
 import shutil
@@ -19,7 +18,8 @@ import pytest
 import torch
 
 from conftest import free_port, vllm_skip_reason
-from test_main_ppo import ROOT, bm25_server, bundled_data, common, train  # noqa: F401 (fixtures)
+from test_main_ppo import bm25_server, bundled_data, common, train  # noqa: F401 (fixtures)
+from test_multinode import alive_nodes
 
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 # Ray's command line through this interpreter: on a GPU node the packages' scripts may not be on PATH
@@ -95,8 +95,5 @@ def test_grpo_step_with_nccl_across_two_ray_nodes(two_gpu_nodes, tiny_model_dir,
         "trainer.total_training_steps=1", "trainer.val_before_train=false"]
     rows, log = train(args, tmp_path / "run")
     assert [r["step"] for r in rows] == [1] and rows[0]["grad_norm"] > 0
-    alive = json.loads(subprocess.run(
-        [sys.executable, "-c", "import json, ray; ray.init(address=%r, log_to_driver=False); "
-         "print(json.dumps([n['Resources'].get('GPU', 0) for n in ray.nodes() if n['Alive']]))" % address],
-        capture_output=True, text=True, timeout=120, cwd=ROOT).stdout.splitlines()[-1])
-    assert sorted(alive) == [per_node, per_node]   # two nodes; the step needed every GPU of both
+    gpus = [n["Resources"].get("GPU", 0) for n in alive_nodes(address)]
+    assert gpus == [per_node, per_node]   # two nodes; the step needed every GPU of both
