@@ -256,8 +256,12 @@ def evaluate(model: Path, data: Path, url: str, out: Path, size: Preset, label: 
          "--enforce-eager"], log)  # a 135M model over a few hundred questions: start-up dominates
     result = json.loads((out / "eval_search.json").read_text())
     em, n = float(result["macro"]["em"]), int(result["n"])
-    say(f"{label}: exact match {em:.3f} on {n} test questions")
-    return {"stage": label, "em": em, "questions": n}
+    # How the policy behaves beside how often it is right: a policy that searches and never answers
+    # (a reward it learned to collect without answering) shows here, not in EM alone.
+    answered, searches = float(result["macro"]["answer_rate"]), float(result["macro"]["searches"])
+    say(f"{label}: exact match {em:.3f} on {n} test questions ({answered:.0%} answered, "
+        f"{searches:.2f} searches a question)")
+    return {"stage": label, "em": em, "questions": n, "answer_rate": answered, "searches": searches}
 
 
 def sft_steps(size: Preset, batch: int = 16) -> int:
@@ -357,7 +361,8 @@ def print_curve(curve: list[dict], stages: list[dict], val_questions: int):
         print(f"{c['step']:>6} {c['minutes']:>6.1f} {c['val_em']:>8.3f} {train:>9}")
     print(f"\nEM on {stages[0]['questions']} test questions (± one standard error):")
     for s in stages:
-        print(f"  {s['stage']:<16} {s['em']:.3f} ± {math.sqrt(s['em'] * (1 - s['em']) / s['questions']):.3f}")
+        print(f"  {s['stage']:<16} {s['em']:.3f} ± {math.sqrt(s['em'] * (1 - s['em']) / s['questions']):.3f}"
+              f"   {s['answer_rate']:.0%} answered, {s['searches']:.2f} searches a question")
 
 
 def _interrupt(signum, frame):

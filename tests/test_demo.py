@@ -30,6 +30,8 @@ def test_demo_small(tmp_path):
     assert "verl.trainer.main_ppo" in (out / "logs" / "grpo.log").read_text()
     stages = json.loads((out / "run" / "stages.json").read_text())
     assert [s["stage"] for s in stages] == ["before", "after SFT", "after GRPO"]
+    assert all(0 <= s["answer_rate"] <= 1 and s["searches"] >= 0 for s in stages)
+    assert stages[1]["answer_rate"] > 0 and "answered" in r.stdout   # the SFT model writes answers
     assert (out / "run" / "report.html").stat().st_size > 10_000
     assert (out / "run" / "hf_actor" / "config.json").exists()
     assert (out / "run" / "samples" / "final_model_eval.jsonl").stat().st_size > 0  # the final model in the report
