@@ -43,15 +43,22 @@ def two_gpu_nodes(monkeypatch):
     args = ["--num-cpus=4", f"--num-gpus={per_node}", "--disable-usage-stats"]
     head = {**base, "CUDA_VISIBLE_DEVICES": ",".join(gpus[:per_node])}
     worker = {**base, "CUDA_VISIBLE_DEVICES": ",".join(gpus[per_node:2 * per_node])}
-    subprocess.run([*RAY, "start", "--head", f"--port={port}", "--include-dashboard=false",
-                    f"--temp-dir={temp}", *args], check=True, env=head, capture_output=True, timeout=180)
     try:
-        subprocess.run([*RAY, "start", f"--address=127.0.0.1:{port}", *args], check=True, env=worker,
-                       capture_output=True, timeout=180)
+        ray_cli(["start", "--head", f"--port={port}", "--include-dashboard=false", f"--temp-dir={temp}",
+                 *args], head)
+        ray_cli(["start", f"--address=127.0.0.1:{port}", *args], worker)
         yield f"127.0.0.1:{port}", per_node
     finally:
         stop_cluster(port, temp)
         shutil.rmtree(temp, ignore_errors=True)
+
+
+def ray_cli(args: list[str], env: dict) -> None:
+    """Run `ray ARGS`; a failure carries Ray's own output, which says why."""
+    done = subprocess.run([*RAY, *args], env=env, capture_output=True, text=True, timeout=180)
+    if done.returncode:
+        raise RuntimeError(f"`ray {' '.join(args)}` exited {done.returncode}:\n"
+                           f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
 
 
 def stop_cluster(port: int, temp: str) -> None:
