@@ -78,6 +78,9 @@ def build_parser():
     p.add_argument("--protocol", choices=["tags", "tools"], default="tags",
                    help="tags: Search-R1's <search>/<information>; tools: search tool calls through the chat "
                         "template (a model trained with --protocol tools)")
+    p.add_argument("--response-prefix", default="", metavar="TEXT",
+                   help="text the response starts with, as in the model's training data (e.g. '<think>' "
+                        "for data built with --template example_think); tags protocol only")
     p.add_argument("--max-turns", type=int, default=4, help="searches allowed")
     # All turns together; --max-response-length, its earlier name, still works (the trainer's key of
     # that name counts one turn).
@@ -91,7 +94,11 @@ def build_parser():
 
 def main(argv=None) -> int:
     from search_r1.cli import normalize_flags
-    args = build_parser().parse_args(normalize_flags(sys.argv[1:] if argv is None else list(argv)))
+    parser = build_parser()
+    args = parser.parse_args(normalize_flags(sys.argv[1:] if argv is None else list(argv)))
+    if args.response_prefix and args.protocol == "tools":
+        parser.error("--response-prefix goes with the tags protocol only: the tool protocol's prompts end "
+                     "with the user's message")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     for hint in start_hints(args):
         print(hint, file=sys.stderr, flush=True)
@@ -136,14 +143,15 @@ def main(argv=None) -> int:
             prompt = tok.apply_chat_template(make_prompt(question), add_generation_prompt=True, tokenize=False)
         else:
             prompt = make_prompt_text(question, "base")
-        return tok(prompt, add_special_tokens=False).input_ids
+        return tok(prompt + args.response_prefix, add_special_tokens=False).input_ids
 
     def ask(question: str):
         state[0] = ""
+        print(colourise(args.response_prefix, state, colour), end="", flush=True)  # the response's start
         (t,) = agent.run([prompt_ids(question)],
                          SamplingConfig(temperature=args.temperature, max_tokens=args.max_response_tokens))
         from search_r1.rewards import extract_answer
-        answer = extract_answer(tok.decode(t.response_ids, skip_special_tokens=True))
+        answer = extract_answer(args.response_prefix + tok.decode(t.response_ids, skip_special_tokens=True))
         print(f"\n\nanswer: {answer!r}   ({t.tool_calls} searches, finished by {t.finish}"
               f"{', retrieval failed' if t.tool_failed else ''})")
 

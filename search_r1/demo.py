@@ -15,7 +15,8 @@ Presets: `cpu` (the default) aims at < 20 minutes on 2 CPU cores; `small` (`--sm
 of the same path; `gpu` is the learning curve on one GPU: EM on all 375 test questions before and
 after, GRPO for as many steps as fit in `--grpo-minutes`, validated every 10 steps on 100 of them.
 `rl-only` is the `gpu` preset without stage 5: reinforcement learning alone from the bundled model,
-with the prompt that shows one worked search (`--template example`) and a reward for the valid
+with the prompt that shows one worked search, the response begun with `<think>` (`--template
+example_think`), and a reward for the valid
 format and for retrieving the answer (benchmarks/RESULTS.md, "Reinforcement learning alone").
 On CPU the GRPO stage is a smoke run of the RL path (a few steps cannot move EM); the `gpu` preset
 is the one that shows what GRPO does.
@@ -96,12 +97,14 @@ PRESETS = {
 }
 # No SFT: the bundled model writes the tags in about 1 % of its samples, so with plain EM nearly every
 # group is flat. The worked example and a reward for the valid format (an answer in the wrong format
-# earns nothing, so answering at once does not pay) plus one for retrieving the gold answer gave the
-# first signal after about 35 steps; 15 minutes leave room past it. The retrieval term pays only
-# trajectories that end in an answer: paying any, it taught this preset to search and never answer
-# (benchmarks/RESULTS.md, "The rl-only preset through the demo").
+# earns nothing, so answering at once does not pay) plus one for retrieving the gold answer are the
+# reward levers. The retrieval term pays only trajectories that end in an answer, as the original's
+# does: paying any, it taught this preset to search and never answer. Under that rule the bundled
+# model wrote no valid trajectory in 181 steps, so every group stayed flat and the policy never
+# moved; its responses therefore begin with "<think>" (template example_think), which most samples
+# then close and follow with a search or an answer (benchmarks/RESULTS.md, "The rl-only preset again").
 PRESETS["rl-only"] = dataclasses.replace(
-    PRESETS["gpu"], sft=False, template="example", grpo_minutes=15,
+    PRESETS["gpu"], sft=False, template="example_think", grpo_minutes=15,
     reward_keys=("reward.format_score=0.2", "reward.final_format_score=0", "reward.retrieval_score=0.3"))
 GPU_PRESETS = ("gpu", "rl-only")
 
@@ -451,9 +454,12 @@ def summary(stages: list[dict], size: Preset, cpu_preset: bool) -> str:
     return line
 
 
-def next_steps(out: Path, retriever_args: list, final: Path, run_dir: Path, protocol: str = "tags") -> str:
+def next_steps(out: Path, retriever_args: list, final: Path, run_dir: Path, protocol: str = "tags",
+               template: str = "instruct") -> str:
+    from search_r1.data.templates import RESPONSE_PREFIXES
     serve = " ".join(["search-r1 serve", *map(str, retriever_args), "--port 8000"])
-    flag = " --protocol tools" if protocol == "tools" else ""
+    prefix = RESPONSE_PREFIXES.get(template, "")   # the model was trained to continue it
+    flag = " --protocol tools" if protocol == "tools" else f" --response-prefix '{prefix}'" if prefix else ""
     return (f"\nNext:\n  open the report:     {run_dir / 'report.html'}\n"
             f"  serve the corpus:    {serve}\n"
             f"  ask the model:       python infer.py --model {final}{flag} \"Which country is the city of Lyon in?\"\n"
@@ -547,7 +553,7 @@ def main(argv=None) -> int:
     print_curve(curve, stages, size.validated_questions)
     print(f"\nreport:     {run_dir / 'report.html'}\ncurve:      {run_dir / 'curve.json'}\n"
           f"checkpoint: {run_dir / 'checkpoints'}\nmodel:      {final}", flush=True)
-    print(next_steps(out, retriever_args, final, run_dir, a.protocol), flush=True)
+    print(next_steps(out, retriever_args, final, run_dir, a.protocol, size.template), flush=True)
     progress.finish()
     say(f"done in {(time.time() - t0) / 60:.1f} min. {summary(stages, size, a.preset not in GPU_PRESETS)}")
     return 0

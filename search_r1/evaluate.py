@@ -170,8 +170,8 @@ class Question:
 
 def question_text(messages: list[dict]) -> str:
     """The question inside a prompt built by our templates (or the original Search-R1 ones):
-    the text after the last "Question: "."""
-    content = "".join(m["content"] for m in messages)
+    the text after the last "Question: " (a response prefix, the assistant's, is not part of it)."""
+    content = "".join(m["content"] for m in messages if m.get("role") != "assistant")
     at = content.rfind("Question: ")
     if at < 0:
         raise ValueError(f"cannot find the question in the prompt {content[:200]!r}…: it needs a "
@@ -394,6 +394,8 @@ def run_eval(cfg: EvalConfig, engine=None) -> dict:
     `engine` replaces the one `cfg` would build (tests, or a caller that holds one already)."""
     from transformers import AutoTokenizer
 
+    from verl.utils.dataset import response_prefix
+
     cfg.mode = Mode(cfg.mode)
     if cfg.template not in ("instruct", "base"):
         raise ValueError(f"--template {cfg.template!r}: use instruct or base")
@@ -427,6 +429,8 @@ def run_eval(cfg: EvalConfig, engine=None) -> dict:
 
     records = []
     for q, result, ids in zip(questions, results, retrieved):
+        if cfg.mode == Mode.SEARCH:  # a response begun in the prompt is scored whole, as in training
+            result["response"] = response_prefix(q.messages) + result["response"]
         records.append({"data_source": q.data_source, "index": q.index, "question": q.question,
                         "type": q.kind, "hops": q.hops,
                         "golds": q.golds, "prediction": extract_answer(result["response"]), **result,

@@ -68,7 +68,12 @@ def test_presets_parse_and_small_is_an_alias():
         assert derive_sizes(cfg).trajectories_per_step == preset.grpo_prompts * preset.grpo_n, name
         assert cfg.actor_rollout_ref.actor.optim.lr == preset.lr, name
     rl = parse_args(["--preset", "rl-only"])[1]
-    assert not rl.sft and rl.template == "example" and rl.grpo_minutes == 15
+    assert not rl.sft and rl.template == "example_think" and rl.grpo_minutes == 15
+    # its model continues a "<think>" the prompt ends with: the hint to ask it says so
+    from search_r1.demo import next_steps
+    hint = next_steps(Path("o"), [], Path("m"), Path("r"), "tags", rl.template)
+    assert "infer.py --model m --response-prefix '<think>' " in hint
+    assert "--response-prefix" not in next_steps(Path("o"), [], Path("m"), Path("r"), "tags", "instruct")
     keys = dict(o.split("=", 1) for o in grpo_overrides(rl, Path("tr"), Path("te"), Path("m"), "u", Path("r")))
     assert (keys["reward.format_score"], keys["reward.final_format_score"], keys["reward.retrieval_score"]) == (
         "0.2", "0", "0.3")

@@ -35,6 +35,14 @@ def test_infer_question_and_interactive(tiny_model_dir, dense_server):
                        text=True, timeout=300, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "answer:" in r.stdout and "searches, finished by" in r.stdout and "ChatML tool template" in r.stderr
+    # a model trained on data with a response prefix: the response starts with it, shown first
+    r = subprocess.run(base + ["--response-prefix", "<think>", "What is the capital of Japan?"],
+                       capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.startswith("<think>") and "answer:" in r.stdout
+    r = subprocess.run(base + ["--protocol", "tools", "--response-prefix", "<think>", "Who?"], capture_output=True,
+                       text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 2 and "tags protocol only" in r.stderr
 
 
 def test_start_hints_name_a_missing_server_and_the_untrained_model(tmp_path, monkeypatch):

@@ -1,6 +1,8 @@
 """Turn QA datasets into the parquet files the trainer reads.
 
-Each row: `data_source`, `prompt` (one user message: a template filled in for the question),
+Each row: `data_source`, `prompt` (one user message: a template filled in for the question; with
+`--response-prefix`, or `--template example_think`, an unfinished assistant message after it that
+the model's response continues, e.g. "<think>"),
 `ability`, `reward_model = {"style": "rule", "ground_truth": {"target": [answers]}}` and
 `extra_info = {"split", "index", "type", "hops"}`: the question's kind and its number of hops where
 the source says (the bundled task, local files with those columns), null elsewhere; `search-r1 eval`
@@ -10,7 +12,7 @@ Deviation from the original scripts: `extra_info.index` runs over all merged sou
 unique in a file and can serve as the prompt's group id; the original restarted it at 0 for each
 source, which made ids collide when NQ and HotpotQA were trained on together.
 
-The template is one of ours (`--template base|instruct|example|tool`; `tool` writes verl's
+The template is one of ours (`--template base|instruct|example|example_think|tool`; `tool` writes verl's
 search-tool rows: a system message and `extra_info.tools_kwargs`, for the tool-calling protocol) or
 the user's (`--template-file FILE`, a format string with the placeholders of
 `templates.PLACEHOLDERS`), so data can be rebuilt with the exact prompt of earlier runs; the trainer
@@ -37,7 +39,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from search_r1.data import bundled
-from search_r1.data.templates import TEMPLATES, TOOL_SYSTEM, fill_template, read_template_file
+from search_r1.data.templates import RESPONSE_PREFIXES, TEMPLATES, TOOL_SYSTEM, fill_template, read_template_file
 
 log = logging.getLogger(__name__)
 
@@ -147,11 +149,14 @@ TOOL_SCHEMA = _schema(_EXTRA_INFO + [
 
 
 def make_row(question: str, answers, data_source: str, split: str, index: int,
-             template_text: str, tool: bool = False, kind: str | None = None, hops: int | None = None) -> dict:
+             template_text: str, tool: bool = False, kind: str | None = None, hops: int | None = None,
+             response_prefix: str = "") -> dict:
     if isinstance(answers, str):  # some files store a single answer as a bare string
         answers = [answers]
     ground_truth = {"target": [str(a) for a in answers]}
     prompt = [{"role": "user", "content": fill_template(template_text, question)}]
+    if response_prefix:  # an unfinished assistant message: the model's response continues it
+        prompt.append({"role": "assistant", "content": response_prefix})
     extra_info = {"split": split, "index": index}
     extra_info |= {k: v for k, v in (("type", kind), ("hops", hops)) if v is not None}
     if tool:
@@ -163,16 +168,18 @@ def make_row(question: str, answers, data_source: str, split: str, index: int,
 
 
 def build_rows(sources: list[tuple[str, list[dict]]], split: str,
-               template_text: str = TEMPLATES["instruct"], tool: bool = False) -> list[dict]:
+               template_text: str = TEMPLATES["instruct"], tool: bool = False,
+               response_prefix: str = "") -> list[dict]:
     """Rows for all sources in order; `extra_info.index` is a running index over all of them.
 
     `template_text` is a template's text (TEMPLATES or `read_template_file`), not its name; `tool`
-    writes verl's search-tool layout (the tool protocol)."""
+    writes verl's search-tool layout (the tool protocol); `response_prefix`, where given, ends each
+    prompt as an unfinished assistant message."""
     rows = []
     for name, records in sources:
         for r in records:
             rows.append(make_row(r["question"], r["golden_answers"], name, split, len(rows),
-                                 template_text, tool, r.get("type"), r.get("hops")))
+                                 template_text, tool, r.get("type"), r.get("hops"), response_prefix))
         log.info("%s/%s: %d rows", name, split, len(records))
     return rows
 
@@ -236,6 +243,11 @@ def main(argv: list[str] | None = None, loader: Loader | None = None) -> Path:
                         help="your own prompt template, e.g. that of earlier runs: a text file "
                              "with {question} where the question goes (literal braces doubled); "
                              "its text is used exactly")
+    parser.add_argument("--response-prefix", default=None, metavar="TEXT",
+                        help="text the model's response starts with, e.g. '<think>': each prompt ends "
+                             "with it as an unfinished assistant message, and the rewards read it as "
+                             "the response's start (default: the template's own, '<think>' for "
+                             "example_think, else none)")
     parser.add_argument("--local-dir", default=None,
                         help="local copy of the FlashRAG dataset repository, "
                              "used instead of the hub")
@@ -249,11 +261,16 @@ def main(argv: list[str] | None = None, loader: Loader | None = None) -> Path:
     # Read before any download, so a bad template fails at once.
     template_text = (read_template_file(args.template_file) if args.template_file
                      else TEMPLATES[args.template])
+    prefix = (args.response_prefix if args.response_prefix is not None
+              else RESPONSE_PREFIXES.get(args.template, "") if not args.template_file else "")
+    if prefix and args.template == "tool":
+        parser.error("--response-prefix does not go with the tool template: its prompts end with the "
+                     "user's message, as verl's tool-calling recipe writes them")
     if loader is None:
         loader = local_dir_loader(args.local_dir) if args.local_dir else hub_loader
     types = [t.strip() for t in args.bundled_types.split(",") if t.strip()]
     rows = build_rows(collect_sources(names, args.local, args.bundled, args.split, loader, types),
-                      args.split, template_text, tool=args.template == "tool")
+                      args.split, template_text, tool=args.template == "tool", response_prefix=prefix)
     path = write_parquet(rows, args.out)
     log.info("wrote %d rows to %s", len(rows), path)
     return path

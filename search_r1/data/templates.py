@@ -63,8 +63,18 @@ _TOOL = (
 TOOL_SYSTEM = "You are a helpful assistant who answers questions with the help of a search tool."
 
 # "base": raw text, no chat template applied; "instruct" and "example": wrapped by the tokenizer's chat template;
-# "tool": a system and a user message, rendered with the search tool by the chat template.
-TEMPLATES: dict[str, str] = {"base": _BASE, "instruct": _INSTRUCT, "example": _EXAMPLE, "tool": _TOOL}
+# "tool": a system and a user message, rendered with the search tool by the chat template;
+# "example_think": "example", with the model's response begun by "<think>" (RESPONSE_PREFIXES).
+TEMPLATES: dict[str, str] = {"base": _BASE, "instruct": _INSTRUCT, "example": _EXAMPLE, "tool": _TOOL,
+                             "example_think": _EXAMPLE}
+
+# Text the response starts with, written into the rows as an unfinished assistant message that the
+# model continues (verl.utils.dataset.response_prefix); the rewards read it as part of the response.
+# A model that never opens a <think> block never writes the valid format, which the original's
+# reward (and its retrieval term) requires: the bundled model, prompted with the worked example,
+# wrote no valid response in tens of thousands of samples, and most of its samples began this way
+# closed the block and went on (benchmarks/RESULTS.md, "The rl-only preset again").
+RESPONSE_PREFIXES: dict[str, str] = {"example_think": "<think>"}
 
 
 # Placeholder -> what it becomes; README's "Data" section documents the same list.

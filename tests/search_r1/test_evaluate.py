@@ -11,6 +11,7 @@ import pytest
 
 from search_r1 import evaluate
 from search_r1.evaluate import EvalConfig, paper_table, question_text, run_eval, score_predictions
+from search_r1.rewards import check_format
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -312,3 +313,39 @@ def test_eval_tool_protocol_with_the_tool_caller(tool_caller_model, verl_tool_da
     with pytest.raises(ValueError, match="--protocol tools .* --mode search"):
         run_eval(EvalConfig(model=str(tool_caller_model), data=[str(verl_tool_data / "test.parquet")],
                             out=str(tmp_path / "rag"), mode="rag", protocol="tools"))
+
+
+def test_eval_scores_a_response_begun_in_the_prompt_whole(tiny_model_dir, bm25_server, tmp_path):
+    """Data with a response prefix (`--template example_think`): the model continues the prompt's
+    "<think>", and the predictions hold the whole response, prefix first, as training scores it."""
+    from transformers import AutoTokenizer
+
+    from search_r1.data import preprocess
+    from verl.workers.rollout.engines import Generation
+    data = str(preprocess.main(["--bundled", "--split", "test", "--template", "example_think",
+                                "--out", str(tmp_path / "think.parquet")]))
+    questions = evaluate.load_questions([data], limit=2)
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    first_turns = []
+
+    class ContinuingEngine(ScriptedEngine):
+        def generate(self, prompts, sampling, stop):
+            out = []
+            for ids, g in zip(prompts, super().generate(prompts, sampling, stop)):
+                text = self.tokenizer.decode(g.token_ids)
+                if self.tokenizer.decode(ids).endswith("<think>"):   # the first turn continues the prefix
+                    first_turns.append(text)
+                    text = text.removeprefix("<think>")
+                out.append(Generation(self.tokenizer.encode(text, add_special_tokens=False), g.finish_reason,
+                                      g.stop_reason))
+            return out
+
+    engine = ContinuingEngine(tok, {q.question: q.golds[0] for q in questions})
+    scores = run_eval(EvalConfig(model=tiny_model_dir, data=[data], out=str(tmp_path / "out"),
+                                 retriever_url=bm25_server.url + "/retrieve", limit=2), engine=engine)
+    assert len(first_turns) == 2 and scores["per_source"]["geo_qa"]["em"] == 1.0
+    preds = [json.loads(l) for l in (tmp_path / "out" / "predictions_search.jsonl").read_text().splitlines()]
+    for p in preds:
+        # (the worked example's passage in the prompt makes the scripted engine answer at once)
+        assert p["response"].startswith("<think>found</think>") and p["response"].count("<think>") == 1
+        assert check_format(p["response"]).valid

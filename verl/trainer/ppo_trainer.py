@@ -191,6 +191,10 @@ class PPOTrainer:
         batch.info["data_source"] = [e.data_source for e in examples for _ in range(n)]
         batch.info["ground_truth"] = [e.ground_truth for e in examples for _ in range(n)]
         batch.info["hops"] = [e.hops for e in examples for _ in range(n)]
+        # a response begun in the prompt (data with a response prefix) is scored and logged whole
+        prefixes = [e.response_prefix for e in examples for _ in range(n)]
+        if any(prefixes):
+            batch.info["response_text"] = [p + t for p, t in zip(prefixes, batch.info["response_text"])]
         return batch
 
     def start_ahead(self, n: int) -> Ahead | None:

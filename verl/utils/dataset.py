@@ -21,6 +21,9 @@ data, and we never re-template it.
 - Text (RLinf's prompts, already formatted for the model): as written. Through a chat template it
   would be wrapped a second time, so with a template to apply it is refused and the error says to
   set `data.apply_chat_template=false`, as RLinf's own config does.
+A prompt whose last message is the assistant's is an unfinished response (e.g. "<think>", written by
+`qa_search.py --response-prefix`): the chat template renders it open (`continue_final_message`), the
+model continues it, and the rewards read its text as the response's start (`Example.response_prefix`).
 Deviation from the original: without a chat template it kept only the first message, which for
 verl's system + user rows drops the question; we keep every message.
 
@@ -57,6 +60,7 @@ class Example:
     ground_truth: object
     index: int
     hops: int | None = None   # extra_info.hops where the data has it (the bundled task): metrics by hop count
+    response_prefix: str = ""   # the response's start, given in the prompt (see the module docstring)
 
 
 def read_rows(path: str | Path) -> list[dict]:
@@ -112,14 +116,25 @@ def messages_text(messages: list[dict], where: str) -> str:
                          f"`content` each ({e!r}).") from e
 
 
+def response_prefix(prompt: list[dict] | str) -> str:
+    """The response's start a prompt gives: the text of a last message that is the assistant's."""
+    if isinstance(prompt, str) or not prompt or prompt[-1].get("role") != "assistant":
+        return ""
+    return prompt[-1].get("content") or ""
+
+
 def encode_prompt(prompt: list[dict] | str, tokenizer, use_chat_template: bool, where: str,
                   chat=None) -> list[int]:
     """Token ids of a prompt, its text untouched (see the module docstring). `chat`: a
     verl.tools.chat.ChatFormat, whose template also lists the tools (the tool protocol)."""
+    open_response = bool(response_prefix(prompt))
     if chat is not None:
         if isinstance(prompt, str):
             raise ValueError(f"{where} gives the prompt as text; the tool protocol needs chat messages, "
                              "rendered with the tools by the chat template")
+        if open_response:
+            raise ValueError(f"{where} ends with an assistant message (a response prefix), which the "
+                             "tool protocol does not take: its prompts end with the user's message")
         return chat.prompt_ids(prompt)
     if isinstance(prompt, str):
         if use_chat_template:
@@ -129,7 +144,10 @@ def encode_prompt(prompt: list[dict] | str, tokenizer, use_chat_template: bool, 
         return tokenizer(prompt).input_ids
     if not use_chat_template:
         return tokenizer(messages_text(prompt, where)).input_ids
-    text = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+    if open_response:  # rendered without its end-of-turn, so that the model continues it
+        text = tokenizer.apply_chat_template(prompt, continue_final_message=True, tokenize=False)
+    else:
+        text = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
     return tokenizer(text, add_special_tokens=False).input_ids
 
 
@@ -162,7 +180,8 @@ def load_examples(files, tokenizer, max_prompt_length: int, apply_chat_template:
                 dropped += 1
                 continue
             hops = (row.get("extra_info") or {}).get("hops")
-            rows.append((ids, data_source, ground_truth, None if hops is None else int(hops)))
+            rows.append((ids, data_source, ground_truth, None if hops is None else int(hops),
+                         response_prefix(prompt)))
             indices.append(index)
             if limit and len(rows) >= limit:
                 break
@@ -172,8 +191,8 @@ def load_examples(files, tokenizer, max_prompt_length: int, apply_chat_template:
         log.warning("dropped %d prompts longer than data.max_prompt_length=%d tokens", dropped, max_prompt_length)
     if not rows:
         raise ValueError(f"no usable prompts in {files}")
-    return [Example(ids, source, gt, gid, hops)
-            for (ids, source, gt, hops), gid in zip(rows, group_ids(indices, files))]
+    return [Example(ids, source, gt, gid, hops, prefix)
+            for (ids, source, gt, hops, prefix), gid in zip(rows, group_ids(indices, files))]
 
 
 class PromptSampler:

@@ -238,3 +238,19 @@ def test_readme_documents_data_formats_and_placeholders():
     for word in ["--template-file", "solutions", "reward_model.ground_truth.target", "tools_kwargs",
                  RLINF_DATA_SOURCE, *FILE_TYPES, *(f"{{{name}}}" for name in PLACEHOLDERS)]:
         assert word in data, word
+
+
+def test_response_prefix_ends_the_prompt_as_an_open_assistant_message(tmp_path, capsys):
+    def prompts(*args):
+        out = preprocess.main(["--bundled", "--split", "test", *args, "--out", str(tmp_path / "p.parquet")])
+        return [r["prompt"] for r in pq.read_table(out).to_pylist()]
+
+    think = prompts("--template", "example_think")
+    assert all(p[-1] == {"role": "assistant", "content": "<think>"} for p in think)
+    assert [p[:1] for p in think] == prompts("--template", "example")   # the same user message before it
+    assert prompts("--template", "example_think", "--response-prefix", "")[0] == think[0][:1]
+    assert prompts("--response-prefix", "<think> Let me")[0][-1]["content"] == "<think> Let me"
+    assert len(prompts()[0]) == 1   # no prefix unless asked
+    with pytest.raises(SystemExit):
+        prompts("--template", "tool", "--response-prefix", "<think>")
+    assert "does not go with the tool template" in capsys.readouterr().err

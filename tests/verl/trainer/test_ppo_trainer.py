@@ -49,3 +49,28 @@ def test_the_step_is_reordered_for_even_work_across_workers(balance):
     else:
         assert out.info["stats"] == list(range(8))
     assert metrics["balance/max_over_mean_tokens"] == pytest.approx(max(halves) / (sum(halves) / 2))
+
+
+def test_a_response_begun_in_the_prompt_is_scored_whole():
+    """Data with a response prefix ("<think>" in the prompt): the reward reads prefix + what the
+    model wrote, so a response that closes the prefix's block is in the valid format."""
+    import torch
+
+    from search_r1.rewards import check_format
+    from verl.batch import RolloutBatch
+    written = [" It is in Peru. </think>\n<answer> Lima </answer>", " Peru. </think>\n<answer> Cusco </answer>"]
+
+    def batch():
+        return RolloutBatch(torch.zeros(2, 3, dtype=torch.long), torch.ones(2, 3, dtype=torch.long),
+                            torch.ones(2, 1), torch.ones(2, 1), 2, torch.zeros(2, dtype=torch.long),
+                            info={"response_text": list(written)})
+
+    gold = {"target": ["Lima"]}
+    begun = PPOTrainer.with_targets(batch(), [Example([1], "nq", gold, 0, None, "<think>")], n=2)
+    assert begun.info["response_text"] == ["<think>" + t for t in written]
+    assert all(check_format(t).valid for t in begun.info["response_text"])
+    plain = PPOTrainer.with_targets(batch(), [Example([1], "nq", gold, 0)], n=2)
+    assert plain.info["response_text"] == written and not check_format(written[0]).valid
+    trainer = _trainer()
+    scores = [trainer.reward_fn("nq", t, gold, format_score=0.2).score for t in begun.info["response_text"]]
+    assert scores == [1.0, 0.2]   # right and valid; wrong but valid

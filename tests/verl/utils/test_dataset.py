@@ -184,3 +184,31 @@ def test_the_hop_count_comes_from_extra_info_where_the_data_has_it(tmp_path):
     examples = load_examples(write_parquet(tmp_path / "t.parquet", rows), RecordingTokenizer(), 1000,
                              apply_chat_template=False)
     assert [e.hops for e in examples] == [None, 1, 2]
+
+
+def test_a_prompt_ending_with_the_assistant_begins_the_response(smollm2_tokenizer, tmp_path):
+    # qa_search.py --response-prefix "<think>": the prompt ends with an unfinished assistant message
+    rows = original_nq_rows(QUESTIONS[:1])
+    rows[0]["prompt"] = rows[0]["prompt"] + [{"role": "assistant", "content": "<think>"}]
+    path = write_parquet(tmp_path / "train.parquet", rows)
+    [example] = load_examples(path, smollm2_tokenizer, 10_000)
+    text = smollm2_tokenizer.decode(example.prompt_ids)
+    plain = smollm2_tokenizer.apply_chat_template(rows[0]["prompt"][:1], add_generation_prompt=True,
+                                                  tokenize=False)
+    # the generation prompt, then the prefix, left open: no end-of-turn after it
+    assert text == plain + "<think>"
+    assert example.response_prefix == "<think>"
+    # without a chat template the messages are joined, the prefix last
+    [raw] = load_examples(path, smollm2_tokenizer, 10_000, apply_chat_template=False)
+    assert smollm2_tokenizer.decode(raw.prompt_ids).endswith("\n<think>") and raw.response_prefix == "<think>"
+    # an ordinary prompt has none
+    assert load_examples(write_parquet(tmp_path / "plain.parquet", original_nq_rows(QUESTIONS)),
+                         smollm2_tokenizer, 10_000)[0].response_prefix == ""
+
+
+def test_the_tool_protocol_refuses_a_response_prefix(smollm2_tokenizer):
+    from search_r1.agent.search_tool import search_chat_format
+    from verl.utils.dataset import encode_prompt
+    prompt = [{"role": "user", "content": "Question: who wrote hamlet?"}, {"role": "assistant", "content": "<think>"}]
+    with pytest.raises(ValueError, match="tool protocol does not take"):
+        encode_prompt(prompt, smollm2_tokenizer, True, "row 0", search_chat_format(smollm2_tokenizer))
