@@ -237,7 +237,8 @@ def main(argv: list[str] | None = None, loader: Loader | None = None) -> Path:
     prompt = parser.add_mutually_exclusive_group()
     prompt.add_argument("--template", default="instruct", choices=sorted(TEMPLATES),
                         help="one of our prompt templates (base: plain text for base models; example: "
-                             "instruct with one worked search; tool: the "
+                             "instruct with one worked search; example_think: example, the response "
+                             "begun with <think>; tool: the "
                              "tool-calling protocol, rows in verl's search-tool layout)")
     prompt.add_argument("--template-file", default=None, metavar="FILE",
                         help="your own prompt template, e.g. that of earlier runs: a text file "
