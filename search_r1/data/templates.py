@@ -72,8 +72,8 @@ TEMPLATES: dict[str, str] = {"base": _BASE, "instruct": _INSTRUCT, "example": _E
 # model continues (verl.utils.dataset.response_prefix); the rewards read it as part of the response.
 # A model that never opens a <think> block never writes the valid format, which the original's
 # reward (and its retrieval term) requires: the bundled model, prompted with the worked example,
-# wrote no valid response in tens of thousands of samples, and most of its samples began this way
-# closed the block and went on (benchmarks/RESULTS.md, "The rl-only preset again").
+# wrote no valid response in tens of thousands of samples; begun this way, almost half of its samples
+# close the block and go on, and about 2% are valid (benchmarks/RESULTS.md, "The rl-only preset again").
 RESPONSE_PREFIXES: dict[str, str] = {"example_think": "<think>"}
 
 
