@@ -32,14 +32,17 @@ from enum import StrEnum
 from pathlib import Path
 from statistics import fmean
 
-from search_r1.rewards import exact_match, extract_answer, gold_answers, substring_match, token_f1
+from search_r1.rewards import check_format, exact_match, extract_answer, gold_answers, substring_match, token_f1
 
 log = logging.getLogger(__name__)
 
 # data_source -> column header of the paper's main table, in its order.
 PAPER_COLUMNS = {"nq": "NQ", "triviaqa": "TriviaQA", "popqa": "PopQA", "hotpotqa": "HotpotQA",
                  "2wikimultihopqa": "2wiki", "musique": "Musique", "bamboogle": "Bamboogle"}
-METRICS = ("em", "cover_em", "f1", "answer_rate", "searches", "turns", "response_tokens")
+# valid_format: the share of responses in the Search-R1 tag format (think first, answer last,
+# search and information in between; search_r1.rewards.check_format), which the original's format
+# and retrieval rewards require: a model that never writes it earns none of them.
+METRICS = ("em", "cover_em", "f1", "answer_rate", "valid_format", "searches", "turns", "response_tokens")
 
 _ANSWER_FORMAT = ("Give the final answer briefly inside <answer> and </answer>, "
                   "for example <answer> Paris </answer>.\n")
@@ -98,7 +101,8 @@ class EvalConfig:
 def score_record(record: dict) -> dict:
     pred, golds = record["prediction"], record["golds"]
     return {"em": exact_match(pred, golds), "cover_em": substring_match(pred, golds),
-            "f1": token_f1(pred, golds), "answer_rate": float(pred is not None)}
+            "f1": token_f1(pred, golds), "answer_rate": float(pred is not None),
+            "valid_format": float(check_format(record["response"]).valid)}
 
 
 def score_predictions(records: list[dict]) -> dict:

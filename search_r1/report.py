@@ -586,7 +586,7 @@ def _samples_section(samples_dir: Path) -> str:
 
 
 # Metric columns of the evaluation tables, in this order; others follow.
-EVAL_METRICS = ["em", "f1", "cover_em", "answer_rate", "searches", "turns", "response_tokens"]
+EVAL_METRICS = ["em", "f1", "cover_em", "answer_rate", "valid_format", "searches", "turns", "response_tokens"]
 
 CSS = """
 body{font:14px/1.45 system-ui,sans-serif;margin:16px 24px;color:#222;background:#fff}

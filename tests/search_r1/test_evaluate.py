@@ -37,6 +37,7 @@ def test_score_predictions_two_sources_and_macro_average():
     assert nq["f1"] == pytest.approx((1 + 2 * (2 / 3) * 1 / (2 / 3 + 1)) / 2)  # 2/3 precision, full recall
     assert nq["searches"] == 2 and nq["turns"] == 3 and nq["response_tokens"] == 30
     assert hp["em"] == pytest.approx(2 / 3) and hp["answer_rate"] == pytest.approx(2 / 3)
+    assert nq["valid_format"] == 0.0   # an answer without a <think> first is not the format
     assert hp["f1"] == pytest.approx(2 / 3) and hp["cover_em"] == pytest.approx(2 / 3)
     # macro: the mean of the sources' means, not of the questions
     assert scores["macro"]["em"] == pytest.approx((0.5 + 2 / 3) / 2)
@@ -180,6 +181,7 @@ def test_eval_scripted_answers_count_searches(mode, tiny_model_dir, test_parquet
                                  retriever_url=bm25_server.url + "/retrieve", limit=3), engine=engine)
     geo = scores["per_source"]["geo_qa"]
     assert geo["em"] == 1.0 and geo["f1"] == 1.0 and geo["answer_rate"] == 1.0
+    assert geo["valid_format"] == 1.0   # think, (search, information, think,) answer
     assert (geo["searches"], geo["turns"]) == ((1, 2) if mode == "search" else (0, 1))
     preds = [json.loads(l) for l in (tmp_path / f"predictions_{mode}.jsonl").read_text().splitlines()]
     assert all(p["finish"] == "answer" for p in preds)
@@ -344,6 +346,7 @@ def test_eval_scores_a_response_begun_in_the_prompt_whole(tiny_model_dir, bm25_s
     scores = run_eval(EvalConfig(model=tiny_model_dir, data=[data], out=str(tmp_path / "out"),
                                  retriever_url=bm25_server.url + "/retrieve", limit=2), engine=engine)
     assert len(first_turns) == 2 and scores["per_source"]["geo_qa"]["em"] == 1.0
+    assert scores["per_source"]["geo_qa"]["valid_format"] == 1.0   # only with the prefix in front
     preds = [json.loads(l) for l in (tmp_path / "out" / "predictions_search.jsonl").read_text().splitlines()]
     for p in preds:
         # (the worked example's passage in the prompt makes the scripted engine answer at once)
