@@ -1,6 +1,7 @@
 """Multi-node on one GPU host, as users run it on several: two Ray nodes started with `ray start`, each
 given half of the visible GPUs (CUDA_VISIBLE_DEVICES per raylet, the way one node's GPUs are its own),
-then one GRPO step through `python -m verl.trainer.main_ppo` with `trainer.nnodes=2`. The workers need
+then one GRPO step of a Qwen2.5-0.5B-shaped model (random weights, benchmarks/random_models.py)
+through `python -m verl.trainer.main_ppo` with `trainer.nnodes=2`. The workers need
 every GPU of both nodes, so the step's NCCL process group spans the two raylets. Two GPUs make it
 2×1, four 2×2. Skipped with fewer than two GPUs or without vLLM."""
 from __future__ import annotations
@@ -13,11 +14,14 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
 from conftest import free_port, vllm_skip_reason
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmarks"))
+from random_models import make_random_model  # noqa: E402
 from test_main_ppo import bm25_server, bundled_data, common, train  # noqa: F401 (fixtures)
 from test_multinode import alive_nodes
 
@@ -84,13 +88,13 @@ def stop_cluster(port: int, temp: str) -> None:
         time.sleep(3)
 
 
-def test_grpo_step_with_nccl_across_two_ray_nodes(two_gpu_nodes, tiny_model_dir, bundled_data, bm25_server,
-                                                   tmp_path):
+def test_grpo_step_with_nccl_across_two_ray_nodes(two_gpu_nodes, bundled_data, bm25_server, tmp_path):
     if reason := vllm_skip_reason():
         pytest.skip(reason)
     address, per_node = two_gpu_nodes
     world = 2 * per_node
-    args = common(tiny_model_dir, bundled_data, bm25_server) + [
+    model = make_random_model(tmp_path / "policy", "0.5b", None)   # the shape the step is measured at
+    args = common(model, bundled_data, bm25_server) + [
         "trainer.device=cuda", "trainer.nnodes=2", f"trainer.n_gpus_per_node={per_node}",
         f"trainer.ray_address={address}", "data.train_batch_size=4",
         # micro-batch sizes count every worker's rows: one row a worker
