@@ -262,8 +262,8 @@ def main(argv: list[str] | None = None, loader: Loader | None = None) -> Path:
     # Read before any download, so a bad template fails at once.
     template_text = (read_template_file(args.template_file) if args.template_file
                      else TEMPLATES[args.template])
-    prefix = (args.response_prefix if args.response_prefix is not None
-              else RESPONSE_PREFIXES.get(args.template, "") if not args.template_file else "")
+    # with --template-file, args.template keeps its default, which has no prefix
+    prefix = args.response_prefix if args.response_prefix is not None else RESPONSE_PREFIXES.get(args.template, "")
     if prefix and args.template == "tool":
         parser.error("--response-prefix does not go with the tool template: its prompts end with the "
                      "user's message, as verl's tool-calling recipe writes them")
