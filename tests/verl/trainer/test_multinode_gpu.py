@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -42,7 +43,10 @@ def two_gpu_nodes(monkeypatch):
     per_node = min(2, len(gpus) // 2)
     port = free_port()
     temp = f"/tmp/ray_mng_{os.getpid()}"   # Ray's socket paths must stay under 107 characters
-    monkeypatch.setenv("RAY_AUTH_MODE", "token")   # `ray start --head` turns token authentication on
+    # token authentication, as README says for several nodes: the cluster's token in the environment
+    # of every node and of the driver (a fresh machine has no ~/.ray/auth_token to fall back on)
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")
+    monkeypatch.setenv("RAY_AUTH_TOKEN", uuid.uuid4().hex)
     base = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
     args = ["--num-cpus=4", f"--num-gpus={per_node}", "--disable-usage-stats"]
     head = {**base, "CUDA_VISIBLE_DEVICES": ",".join(gpus[:per_node])}
