@@ -29,8 +29,9 @@ class WorkerDied(RuntimeError):
 
 def start_ray(address: str | None, device: str):
     """Join the cluster at `address`, or start one on this node. Ray authenticates every client with
-    the cluster's token (on by default; ~/.ray/auth_token): its ports, open on the node's network
-    interfaces, serve no one else. RAY_AUTH_MODE=disabled turns that off, with a warning."""
+    the cluster's token (on by default for the cluster started here, which writes ~/.ray/auth_token;
+    `ray start` turns it on where it finds a token or RAY_AUTH_MODE=token): its ports, open on the
+    node's network interfaces, serve no one else. RAY_AUTH_MODE=disabled turns that off, with a warning."""
     if ray.is_initialized():
         return
     if os.environ.get("RAY_AUTH_MODE") == "disabled":
@@ -44,13 +45,12 @@ def start_ray(address: str | None, device: str):
         except Exception as e:
             if os.environ.get("RAY_AUTH_MODE") == "token":
                 raise
-            # `ray start --head` enables token authentication by default; a driver that does not
-            # say so is turned away with a bare connection error.
+            # a head started with a token (`ray start --head` on a node holding ~/.ray/auth_token, or
+            # with RAY_AUTH_MODE=token) turns away a driver without one with a bare connection error.
             raise RuntimeError(
                 f"could not join the Ray cluster at trainer.ray_address={address!r} ({e}). If it was "
-                "started with `ray start`, it expects token authentication: export RAY_AUTH_MODE=token "
-                "here and on every node that joins, with the head's ~/.ray/auth_token copied to each "
-                "(or RAY_AUTH_TOKEN set)") from e
+                "started with token authentication, export RAY_AUTH_MODE=token here and on every node that "
+                "joins, with the cluster's token in ~/.ray/auth_token or RAY_AUTH_TOKEN") from e
     else:
         if leftovers := leftover_workers():
             log.warning("worker processes of an earlier run are still alive on this node (PIDs %s; their driver "

@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
+import uuid
 
 import pytest
 
@@ -23,9 +24,11 @@ def two_node_cluster(tmp_path, monkeypatch):
     port = free_port()
     # Short temp dir: Ray's socket paths must stay under the OS limit of 107 characters.
     temp = f"/tmp/ray_mn_{os.getpid()}"
-    # `ray start --head` turns on token authentication; whatever joins it (a node, the trainer's
-    # driver) says so with RAY_AUTH_MODE=token and finds the token in ~/.ray/auth_token, as README says.
+    # token authentication, as README says for several nodes: the head, the node that joins it and the
+    # trainer's driver all run with RAY_AUTH_MODE=token and the cluster's token (here RAY_AUTH_TOKEN;
+    # without one, as on a fresh machine with no ~/.ray/auth_token, `ray start` refuses token mode)
     monkeypatch.setenv("RAY_AUTH_MODE", "token")
+    monkeypatch.setenv("RAY_AUTH_TOKEN", uuid.uuid4().hex)
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
     common_args = ["--num-cpus=1", "--num-gpus=0", "--disable-usage-stats"]
     subprocess.run(["ray", "start", "--head", f"--port={port}", "--include-dashboard=false",
