@@ -103,7 +103,10 @@ PRESETS = {
 # model wrote no valid trajectory in 181 steps, so every group stayed flat and the policy never
 # moved; its responses therefore begin with "<think>" (template example_think), which almost half of
 # the samples then close, and about 2% go on to the valid format (benchmarks/RESULTS.md, "The rl-only
-# preset again").
+# preset again"). On a GPU that gave a signal from the first step, and the policy then settled on
+# answering at once, without a search, for the format's reward alone: every valid sample of the
+# bundled model answers without searching (RESULTS.md, "The rl-only preset with the response begun
+# with <think>"). The preset is where that work continues; it does not reach the goal yet.
 PRESETS["rl-only"] = dataclasses.replace(
     PRESETS["gpu"], sft=False, template="example_think", grpo_minutes=15,
     reward_keys=("reward.format_score=0.2", "reward.final_format_score=0", "reward.retrieval_score=0.3"))
