@@ -81,6 +81,9 @@ def build_parser():
     p.add_argument("--response-prefix", default="", metavar="TEXT",
                    help="text the response starts with, as in the model's training data (e.g. '<think>' "
                         "for data built with --template example_think); tags protocol only")
+    p.add_argument("--turn-prefix", default="", metavar="TEXT",
+                   help="text written after each observation, opening the model's next turn, as in its training "
+                        "(actor_rollout_ref.rollout.agent_kwargs.turn_prefix); tags protocol only")
     p.add_argument("--max-turns", type=int, default=4, help="searches allowed")
     # All turns together; --max-response-length, its earlier name, still works (the trainer's key of
     # that name counts one turn).
@@ -99,6 +102,9 @@ def main(argv=None) -> int:
     if args.response_prefix and args.protocol == "tools":
         parser.error("--response-prefix goes with the tags protocol only: the tool protocol's prompts end "
                      "with the user's message")
+    if args.turn_prefix and args.protocol == "tools":
+        parser.error("--turn-prefix goes with the tags protocol only: in the tool protocol the chat template "
+                     "opens every turn")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     for hint in start_hints(args):
         print(hint, file=sys.stderr, flush=True)
@@ -134,7 +140,8 @@ def main(argv=None) -> int:
             max_turns=args.max_turns, max_response_tokens=args.max_response_tokens), on_event=show)
     else:
         agent = SearchAgent(engine, HTTPSearcher(retriever), AgentConfig(
-            max_turns=args.max_turns, topk=args.topk, max_response_tokens=args.max_response_tokens), on_event=show)
+            max_turns=args.max_turns, topk=args.topk, max_response_tokens=args.max_response_tokens,
+            turn_prefix=args.turn_prefix), on_event=show)
 
     def prompt_ids(question: str) -> list[int]:
         if args.protocol == "tools":

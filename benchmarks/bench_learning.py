@@ -15,6 +15,8 @@ Each variant is the demo's `gpu` preset (SmolLM2-135M-Instruct, 32 prompts × 5 
 - `eval=search,rag,no-search`: the modes its final model is evaluated in (default: search; none: no
   evaluation, the validation curve only);
 - `eval_topk=K`: passages per search in its final evaluation (default: retriever.topk of the variant, or 3);
+- `turn_prefix=TEXT`: the search agent writes TEXT after each observation, in training
+  (`actor_rollout_ref.rollout.agent_kwargs`) and in its final evaluation (`--turn-prefix`) alike;
 - any other `key=value` is a trainer key, set over the preset's.
 All variants share one BM25 server over the bundled corpus and the same seeds. `--slots` lists the GPU
 of every run that may go at once (`0,0,1,1`: two runs on each of GPUs 0 and 1); variants wait for a
@@ -60,6 +62,7 @@ class Variant:
     types: str = ""               # bundled question types of the training rows, comma-separated; "": all
     evals: list[str] = field(default_factory=lambda: ["search"])
     eval_topk: int | None = None
+    turn_prefix: str = ""
     overrides: dict[str, str] = field(default_factory=dict)
 
     @classmethod
@@ -82,6 +85,9 @@ class Variant:
                 v.evals = [] if value == "none" else value.split(",")
             elif key == "eval_topk":
                 v.eval_topk = int(value)
+            elif key == "turn_prefix":
+                v.turn_prefix = value
+                v.overrides["actor_rollout_ref.rollout.agent_kwargs"] = "{turn_prefix: '%s'}" % value
             else:
                 v.overrides[key] = value
         return v
@@ -124,13 +130,14 @@ def prepare_data(out: Path, template: str, types: str) -> dict[str, Path]:
 
 
 def eval_cmd(model: Path, data: Path, url: str, out: Path, mode: str, topk: int, memory: float,
-             limit: int | None, kv_gib: float | None = None, max_turns: int = MAX_TURNS) -> list:
+             limit: int | None, kv_gib: float | None = None, max_turns: int = MAX_TURNS, turn_prefix: str = "") -> list:
     return [sys.executable, "-m", "search_r1.cli", "eval", "--model", model, "--data", data,
             *(["--limit", limit] if limit else []),
             "--retriever-url", url, "--mode", mode, "--out", out, "--topk", topk, "--max-turns", max_turns,
             "--max-response-length", PRESETS["gpu"].response_length, "--max-obs-length", MAX_OBS,
             "--gpu-memory-utilization", memory, "--enforce-eager",
-            *(["--kv-cache-gib", kv_gib] if kv_gib else [])]
+            *(["--kv-cache-gib", kv_gib] if kv_gib else []),
+            *(["--turn-prefix", turn_prefix] if turn_prefix and mode == "search" else [])]
 
 
 def train_keys(v: Variant, model: Path, data: dict, url: str, run_dir: Path, minutes: float, memory: float,
@@ -179,7 +186,8 @@ class Job:
         self.phase = f"eval {mode}"
         cmd = eval_cmd(self.dir / "hf_actor", self.data["test"], self.url, self.dir / "eval", mode, self.v.topk,
                        self.memory, self.eval_limit, self.eval_kv_gib,
-                       int(self.v.overrides.get("max_turns", MAX_TURNS)))   # searches as the run trained with
+                       int(self.v.overrides.get("max_turns", MAX_TURNS)),   # searches as the run trained with
+                       self.v.turn_prefix)
         self.proc = run_logged(cmd, self.dir / f"eval_{mode}.log", gpu_env(self.gpu))
         return False
 

@@ -74,6 +74,7 @@ class EvalConfig:
     max_obs_length: int = 500         # tokens per observation
     template: str = "instruct"        # instruct: apply the chat template; base: plain text
     protocol: str = "tags"            # tags: <search>/<information>; tools: search tool calls (search mode)
+    turn_prefix: str = ""             # tags, search mode: written after each observation (AgentConfig.turn_prefix)
     base_model: str | None = None     # config/tokenizer source when exporting a checkpoint
     label: str | None = None          # the model's name in the table
     batch_size: int = 1024            # questions per agent run (progress and memory)
@@ -371,7 +372,8 @@ def generate(cfg: EvalConfig, engine, prompts: list[list[int]]) -> list[dict]:
         else:
             agent = SearchAgent(engine, HTTPSearcher(retriever),
                                 AgentConfig(max_turns=cfg.max_turns, max_response_tokens=budget,
-                                            max_obs_length=cfg.max_obs_length, topk=cfg.topk, schedule=schedule))
+                                            max_obs_length=cfg.max_obs_length, topk=cfg.topk, schedule=schedule,
+                                            turn_prefix=cfg.turn_prefix))
     results = []
     for lo in tqdm(range(0, len(prompts), cfg.batch_size), desc=f"eval {cfg.mode}", unit="batch"):
         batch = prompts[lo:lo + cfg.batch_size]
@@ -408,6 +410,9 @@ def run_eval(cfg: EvalConfig, engine=None) -> dict:
     if cfg.protocol == "tools" and (cfg.template == "base" or cfg.mode != Mode.SEARCH):
         raise ValueError("--protocol tools renders the search tool with the chat template: it needs --template "
                          "instruct and --mode search")
+    if cfg.turn_prefix and cfg.protocol == "tools":
+        raise ValueError("--turn-prefix opens the model's turn after each <information> observation of the tags "
+                         "protocol; with --protocol tools the chat template opens every turn")
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     questions = load_questions(cfg.data, cfg.limit)
@@ -528,6 +533,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--protocol", choices=["tags", "tools"], default=d.protocol,
                    help="tags: Search-R1's <search>/<information>; tools: search tool calls through the chat "
                         "template (data built with qa_search.py --template tool)")
+    p.add_argument("--turn-prefix", default=d.turn_prefix,
+                   help="search mode, tags: text written after each observation, opening the model's next turn "
+                        "(e.g. '<think>'; as the model was trained: actor_rollout_ref.rollout.agent_kwargs.turn_prefix)")
     p.add_argument("--base-model", help="for a checkpoint: the model training started from "
                                         "(default: actor_rollout_ref.model.path of the run's config.yaml)")
     p.add_argument("--label", help="the model's name in the table (default: from --model)")
@@ -567,7 +575,7 @@ def main(args: argparse.Namespace) -> None:
         retriever_url=args.retriever_url, limit=args.limit, temperature=args.temperature,
         max_turns=args.max_turns, topk=args.topk, max_response_length=args.max_response_length,
         max_obs_length=args.max_obs_length, template=args.template, protocol=args.protocol,
-        base_model=args.base_model,
+        turn_prefix=args.turn_prefix, base_model=args.base_model,
         label=args.label, batch_size=args.batch_size, schedule=args.schedule, engine_core=args.engine_core,
         gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_gib=args.kv_cache_gib,
         enforce_eager=args.enforce_eager, seed=args.seed))

@@ -295,7 +295,7 @@ def retrieval_hit(response: str, golds: GroundTruth) -> bool:
 
 def compute_score(response: str, ground_truth: GroundTruth, *, format_score: float = 0.0,
                   structure_bonus: float = 0.0, retrieval_score: float = 0.0,
-                  search_cost: float = 0.0) -> RewardResult:
+                  search_cost: float = 0.0, format_needs_search: bool = False) -> RewardResult:
     """Exact-match outcome reward with optional format, structure, retrieval and search-cost terms.
 
     With valid = check_format(response).valid and em in {0, 1}:
@@ -316,6 +316,10 @@ def compute_score(response: str, ground_truth: GroundTruth, *, format_score: flo
     every trajectory turns the groups where all answers are wrong (most groups early in training)
     into a full-strength signal against searching, and a policy that searched and scored stopped
     searching within a few steps (benchmarks/RESULTS.md, "Searching at a cost").
+    With `format_needs_search`, a wrong answer earns `format_score` (or `structure_bonus`) only if
+    the response searched at least once (holds an <information> block): the cheapest reward then
+    needs a search. Without it, a policy trained without SFT learned to answer at once, for the
+    format alone (benchmarks/RESULTS.md, "The rl-only preset with the response begun with <think>").
     The defaults (all 0) give plain EM, the paper's reward.
     """
     if not 0.0 <= format_score <= 1.0 or not 0.0 <= retrieval_score <= 1.0:
@@ -338,14 +342,17 @@ def compute_score(response: str, ground_truth: GroundTruth, *, format_score: flo
     em = exact_match(answer, golds)
     hit = retrieval_hit(response, golds)
 
+    searches = len(_INFORMATION.findall(as_tags(response))) if search_cost or format_needs_search else 0
     score = (1.0 - format_score) * em + format_score * valid
     if not em:
         if not valid and answer is not None:
             score = structure_bonus
+        if format_needs_search and not searches:
+            score = 0.0
         if hit and valid:
             score += retrieval_score
     if search_cost and em:
-        score -= search_cost * len(_INFORMATION.findall(as_tags(response)))
+        score -= search_cost * searches
     return RewardResult(score=score, em=em, f1=token_f1(answer, golds),
                         substring=substring_match(answer, golds), format_ok=valid,
                         answer=answer, retrieval_hit=hit)

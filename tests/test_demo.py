@@ -73,10 +73,19 @@ def test_presets_parse_and_small_is_an_alias():
     from search_r1.demo import next_steps
     hint = next_steps(Path("o"), [], Path("m"), Path("r"), "tags", rl.template)
     assert "infer.py --model m --response-prefix '<think>' " in hint
+    hint = next_steps(Path("o"), [], Path("m"), Path("r"), "tags", rl.template, rl.turn_prefix)
+    assert "--response-prefix '<think>' --turn-prefix '<think>' " in hint
     assert "--response-prefix" not in next_steps(Path("o"), [], Path("m"), Path("r"), "tags", "instruct")
     keys = dict(o.split("=", 1) for o in grpo_overrides(rl, Path("tr"), Path("te"), Path("m"), "u", Path("r")))
-    assert (keys["reward.format_score"], keys["reward.final_format_score"], keys["reward.retrieval_score"]) == (
-        "0.2", "0", "0.3")
+    assert (keys["reward.format_score"], keys["reward.final_format_score"], keys["reward.retrieval_score"],
+            keys["reward.format_needs_search"]) == ("0.2", "0", "0.3", "true")
+    # the agent opens a "<think>" after each observation, in training (and, below, in evaluation)
+    assert keys["actor_rollout_ref.rollout.agent_kwargs"] == "{turn_prefix: '<think>'}"
+    from search_r1.cli import build_parser
+    from search_r1.demo import eval_args
+    for preset, expected in ((rl, "<think>"), (gpu, "")):
+        args = build_parser().parse_args(["eval", *map(str, eval_args(Path("m"), Path("t"), "u", Path("o"), preset))])
+        assert args.turn_prefix == expected
     for bad in (["--small", "--preset", "gpu"], ["--grpo-steps", "0"], ["--protocol", "json"],
                 ["--preset", "rl-only", "--protocol", "tools"]):
         with pytest.raises(SystemExit):

@@ -43,6 +43,9 @@ def test_infer_question_and_interactive(tiny_model_dir, dense_server):
     r = subprocess.run(base + ["--protocol", "tools", "--response-prefix", "<think>", "Who?"], capture_output=True,
                        text=True, timeout=300, cwd=ROOT)
     assert r.returncode == 2 and "tags protocol only" in r.stderr
+    r = subprocess.run(base + ["--protocol", "tools", "--turn-prefix", "<think>", "Who?"], capture_output=True,
+                       text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 2 and "--turn-prefix goes with the tags protocol only" in r.stderr
 
 
 def test_start_hints_name_a_missing_server_and_the_untrained_model(tmp_path, monkeypatch):

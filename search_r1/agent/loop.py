@@ -42,6 +42,10 @@ class AgentConfig(TurnConfig):
     # A policy can write a query of thousands of characters; a server refuses those (HTTP 400) and,
     # in the sync schedule, with them the whole turn's batch. Longer queries are cut to this length.
     max_query_chars: int = 1024
+    # Text the environment writes after each observation, opening the model's next turn, as a response
+    # prefix opens its first (e.g. "<think>": a small model trained without SFT otherwise writes plain
+    # text after the passages, out of the format the reward pays). Part of the observation: not trained on.
+    turn_prefix: str = ""
 
 
 class Trajectory(_Trajectory):
@@ -126,6 +130,7 @@ class SearchAgent(MultiTurnAgent):
         self._encode = lambda text: tok.encode(text, add_special_tokens=False)
         self._open_ids = self._encode("\n\n<information>")
         self._close_ids = self._encode("</information>\n\n")
+        self._turn_prefix_ids = self._encode(self.cfg.turn_prefix) if self.cfg.turn_prefix else []
 
     def parse_turn(self, t, gen, context, last_turn) -> str | None:
         if gen.stop_reason == "</answer>":
@@ -178,14 +183,15 @@ class SearchAgent(MultiTurnAgent):
             return None
 
     def observation_ids(self, t, query, hits) -> list[int]:
-        return self._encode(INVALID_ACTION) if query == "" else self.passage_ids(hits)
+        ids = self._encode(INVALID_ACTION) if query == "" else self.passage_ids(hits)
+        return ids + self._turn_prefix_ids
 
     def passage_ids(self, hits: list[dict] | None) -> list[int]:
         """The `<information>` block of one search's hits (None: the search failed)."""
         if hits is None:
             return self._encode(SEARCH_FAILED)
         body = self._encode(format_passages(hits))
-        room = self.cfg.max_obs_length - len(self._open_ids) - len(self._close_ids)
+        room = self.cfg.max_obs_length - len(self._open_ids) - len(self._close_ids) - len(self._turn_prefix_ids)
         return self._open_ids + body[:max(0, room)] + self._close_ids  # the closing tag survives
 
 
@@ -193,15 +199,17 @@ class SearchAgentLoop:
     """The search agent as a trainer agent loop
     (`actor_rollout_ref.rollout.agent_loop=search_r1.agent.loop:SearchAgentLoop`).
 
-    Its options (`settings.options`): `max_turns` (searches allowed) and `retriever` (the fields of
-    `RetrieverConfig`: url, topk, api_key, timeout_s, connect_timeout_s, retries). The trainer fills
-    them from the original's top-level keys `max_turns` and `retriever.*`."""
+    Its options (`settings.options`): `max_turns` (searches allowed), `retriever` (the fields of
+    `RetrieverConfig`: url, topk, api_key, timeout_s, connect_timeout_s, retries) and `turn_prefix`
+    (AgentConfig). The trainer fills the first two from the original's top-level keys `max_turns` and
+    `retriever.*`; `turn_prefix` comes from `actor_rollout_ref.rollout.agent_kwargs`."""
 
     def __init__(self, engine, settings: AgentLoopSettings):
         max_turns, retriever = self._options(settings)
         cfg = AgentConfig(max_turns=max_turns, max_response_tokens=self.max_response_tokens(settings),
                           max_obs_length=settings.max_obs_length, topk=retriever.topk,
-                          schedule=Schedule(settings.schedule), admit_every_steps=settings.admit_every_steps)
+                          schedule=Schedule(settings.schedule), admit_every_steps=settings.admit_every_steps,
+                          turn_prefix=str(settings.options.get("turn_prefix") or ""))
         self.agent = SearchAgent(engine, HTTPSearcher(retriever), cfg)
         self.max_tokens_per_turn = settings.max_tokens_per_turn
 
@@ -209,10 +217,10 @@ class SearchAgentLoop:
     def _options(settings: AgentLoopSettings):
         from search_r1.retrieval.client import RetrieverConfig
         options = dict(settings.options)
-        unknown = sorted(set(options) - {"max_turns", "retriever"})
+        unknown = sorted(set(options) - {"max_turns", "retriever", "turn_prefix"})
         if unknown:
             raise ValueError(f"the search agent has no option {unknown} (actor_rollout_ref.rollout.agent_kwargs): "
-                             "it takes max_turns and retriever")
+                             "it takes max_turns, retriever and turn_prefix")
         # max_failure_rate is the trainer's (it masks and counts failed trajectories), not the client's
         retriever = {k: v for k, v in (options.get("retriever") or {}).items() if k != "max_failure_rate"}
         try:

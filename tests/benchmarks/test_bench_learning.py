@@ -55,6 +55,25 @@ def test_an_evaluation_on_a_shared_gpu_asks_for_the_same_fixed_kv_cache():
     assert build_parser().parse_args([str(c) for c in cmd[3:]]).max_turns == 4
 
 
+def test_a_turn_prefix_reaches_the_agent_in_training_and_the_final_evaluation_alike():
+    from hydra import compose, initialize_config_dir
+    from search_r1.cli import build_parser
+    from verl.trainer.config import load_config
+    v = Variant.parse("rl start=base turn_prefix=<think> reward.format_score=0.2 reward.format_needs_search=true")
+    data = {"train": Path("train.parquet"), "test": Path("test.parquet")}
+    configs = Path(__file__).resolve().parents[2] / "configs"
+    with initialize_config_dir(config_dir=str(configs), version_base=None):
+        keys = train_keys(v, Path("model"), data, "http://127.0.0.1:1/retrieve", Path("run"), 1.0, 0.12,
+                          shared=False, kv_gib=2)
+        cfg = load_config(compose("ppo_trainer", overrides=keys))
+    assert cfg.actor_rollout_ref.rollout.agent_kwargs == {"turn_prefix": "<think>"}
+    assert cfg.reward.kwargs() == {"format_score": 0.2, "format_needs_search": True}
+    for mode, expected in (("search", "<think>"), ("rag", "")):
+        cmd = eval_cmd(Path("m"), Path("t.parquet"), "http://127.0.0.1:1/retrieve", Path("o"), mode, 3, 0.12,
+                       None, turn_prefix=v.turn_prefix)
+        assert build_parser().parse_args([str(c) for c in cmd[3:]]).turn_prefix == expected
+
+
 def test_the_signal_summary_counts_missing_finish_reasons_as_zero():
     rows = [{"step": 0, "val/reward/em": 0.0},
             {"step": 1, "reward/mean": 0.0, "reward/flat_groups": 1.0, "agent/searches": 0.0},

@@ -352,3 +352,36 @@ def test_eval_scores_a_response_begun_in_the_prompt_whole(tiny_model_dir, bm25_s
         # (the worked example's passage in the prompt makes the scripted engine answer at once)
         assert p["response"].startswith("<think>found</think>") and p["response"].count("<think>") == 1
         assert check_format(p["response"]).valid
+
+
+def test_eval_turn_prefix_opens_the_turn_after_each_observation(tiny_model_dir, test_parquet, bm25_server, tmp_path):
+    """`--turn-prefix '<think>'`: the agent writes it after the passages, the model continues it, and the
+    prediction is the valid whole; refused with the tool protocol."""
+    from transformers import AutoTokenizer
+
+    from verl.workers.rollout.engines import Generation
+    questions = evaluate.load_questions([test_parquet], limit=2)
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    continued = []
+
+    class ContinuingEngine(ScriptedEngine):
+        def generate(self, prompts, sampling, stop):
+            out = []
+            for ids, g in zip(prompts, super().generate(prompts, sampling, stop)):
+                text = self.tokenizer.decode(g.token_ids)
+                if self.tokenizer.decode(ids).endswith("</information>\n\n<think>"):
+                    continued.append(text)
+                    text = text.removeprefix("<think>")
+                out.append(Generation(self.tokenizer.encode(text, add_special_tokens=False), g.finish_reason,
+                                      g.stop_reason))
+            return out
+
+    engine = ContinuingEngine(tok, {q.question: q.golds[0] for q in questions})
+    scores = run_eval(EvalConfig(model=tiny_model_dir, data=[test_parquet], out=str(tmp_path / "out"), limit=2,
+                                 retriever_url=bm25_server.url + "/retrieve", turn_prefix="<think>"), engine=engine)
+    assert len(continued) == 2 and scores["per_source"]["geo_qa"]["valid_format"] == 1.0
+    preds = [json.loads(l) for l in (tmp_path / "out" / "predictions_search.jsonl").read_text().splitlines()]
+    assert all("</information>\n\n<think>found</think>" in p["response"] for p in preds)
+    with pytest.raises(ValueError, match="--turn-prefix"):
+        run_eval(EvalConfig(model=tiny_model_dir, data=[test_parquet], out=str(tmp_path / "tools"),
+                            protocol="tools", turn_prefix="<think>"))

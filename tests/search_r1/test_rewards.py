@@ -275,6 +275,19 @@ def test_search_cost_is_charged_per_search_of_a_correct_answer_only():
         compute_score(two, ["Paris"], search_cost=-0.1)
 
 
+def test_format_needs_search_pays_the_format_after_a_search_only():
+    at_once = "<think>x</think><answer>Lyon</answer>"
+    needs = dict(format_score=0.2, structure_bonus=0.1, retrieval_score=0.3, format_needs_search=True)
+    assert compute_score(at_once, ["Paris"], format_score=0.2).score == pytest.approx(0.2)
+    assert compute_score(at_once, ["Paris"], **needs).score == 0.0
+    assert compute_score(at_once + " trailing", ["Paris"], **needs).score == 0.0
+    assert compute_score(VALID_WRONG, ["Paris"], **needs).score == pytest.approx(0.2)
+    assert compute_score(VALID_WRONG_HIT, ["Paris"], **needs).score == pytest.approx(0.5)
+    assert compute_score(INVALID_WRONG_WITH_ANSWER, ["Paris"], **needs).score == pytest.approx(0.1)
+    # a right answer is paid whether it searched or not
+    assert compute_score("<think>x</think><answer>Paris</answer>", ["Paris"], **needs).score == 1.0
+
+
 def test_compute_score_default_is_plain_em():
     for response in (VALID_CORRECT, VALID_WRONG, INVALID_CORRECT, INVALID_NO_ANSWER_HIT):
         result = compute_score(response, "Paris")

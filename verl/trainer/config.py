@@ -313,11 +313,15 @@ class RewardConfig:
     retrieval_score: float = key(0.0, "added to a wrong answer in the valid format when a retrieved passage held "
                                       "a gold answer; the original's reward_model.retrieval_score")
     search_cost: float = key(0.0, "subtracted from a correct answer's reward once per search the trajectory made, >= 0")
+    format_needs_search: bool = key(False, "pay format_score and final_format_score to a wrong answer only if the "
+                                           "trajectory searched at least once, so that the cheapest reward needs a "
+                                           "search (trained without SFT, a policy otherwise learns to answer at once)")
 
-    def kwargs(self) -> dict[str, float]:
+    def kwargs(self) -> dict[str, float | bool]:
         """The terms set, as the reward function's keyword arguments (compute_score's names)."""
         terms = {"format_score": self.format_score, "structure_bonus": self.final_format_score,
-                 "retrieval_score": self.retrieval_score, "search_cost": self.search_cost}
+                 "retrieval_score": self.retrieval_score, "search_cost": self.search_cost,
+                 "format_needs_search": self.format_needs_search}
         return {k: v for k, v in terms.items() if v}
 
 
@@ -516,6 +520,9 @@ def _read_original_reward_keys(cfg: TrainerConfig) -> None:
                           f"{r.format_score}], so that a valid format never pays less than an invalid one")
     if r.search_cost < 0:
         raise ConfigError(f"reward.search_cost={r.search_cost}: what one search costs, >= 0")
+    if r.format_needs_search and not r.format_score:
+        raise ConfigError("reward.format_needs_search=true conditions the format's reward on a search, and "
+                          "reward.format_score is 0: set reward.format_score too")
 
 
 def agent_loop_spec(cfg: TrainerConfig) -> str | None:

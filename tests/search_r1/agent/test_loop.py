@@ -171,6 +171,34 @@ def test_observation_truncated_keeps_closing_tag(tokenizer):
     assert len(obs) == 40 and tokenizer.decode(obs).endswith("</information>\n\n")
 
 
+def test_turn_prefix_opens_the_turn_after_every_observation(tokenizer):
+    """With turn_prefix the environment writes "<think>" after the passages, the correction and a failed
+    search: not trained on, and within max_obs_length; the whole response is then in the valid format."""
+    from search_r1.rewards import check_format
+    scripts = {"Q:": [" I look.</think><search></search>", " Again.</think><search>q</search>",
+                     " Found.</think><answer>a</answer>"]}
+    (t,), _ = run(tokenizer, scripts, DictSearcher({"q": "long passage " * 200}), max_turns=3,
+                  max_obs_length=40, turn_prefix="<think>")
+    (correction, passages) = [ids for model, ids in segments(t) if not model]
+    assert tokenizer.decode(correction) == INVALID_ACTION + "<think>"
+    assert len(passages) == 40 and tokenizer.decode(passages).endswith("</information>\n\n<think>")
+    assert check_format("<think>" + tokenizer.decode(t.response_ids)).valid
+    (failed,), _ = run(tokenizer, {"Q:": ["<search>q</search>", "<answer>a</answer>"]},
+                       DictSearcher(fail=True), turn_prefix="<think>")
+    assert tokenizer.decode(segments(failed)[1][1]) == SEARCH_FAILED + "<think>"
+
+
+def test_the_trainer_loop_takes_turn_prefix_and_refuses_unknown_options(tokenizer):
+    from search_r1.agent.loop import SearchAgentLoop
+    from verl.workers.rollout.agent_loop import AgentLoopSettings
+    retriever = {"url": "http://127.0.0.1:1/retrieve"}
+    loop = SearchAgentLoop(ScriptedEngine(tokenizer, {}), AgentLoopSettings(
+        max_tokens_per_turn=16, options={"max_turns": 2, "retriever": retriever, "turn_prefix": "<think>"}))
+    assert loop.agent.cfg.turn_prefix == "<think>"
+    with pytest.raises(ValueError, match="turn_prefix"):
+        SearchAgentLoop(ScriptedEngine(tokenizer, {}), AgentLoopSettings(16, options={"retriever": retriever, "prefix": "x"}))
+
+
 def test_observation_that_does_not_fit_cuts_the_trajectory(tokenizer):
     searcher = DictSearcher({"q": "long passage " * 200})
     (t,), _ = run(tokenizer, {"Q:": ["<search>q</search>", "<answer>a</answer>"]}, searcher,

@@ -107,11 +107,17 @@ def test_the_original_format_reward_keys_are_read_into_reward():
     assert load(ORIGINAL_GRPO + SEARCH).reward.kwargs() == {}   # the paper's plain EM
 
 
+def test_format_needs_search_reaches_the_reward_function():
+    cfg = load(ORIGINAL_GRPO + SEARCH + ["reward.format_score=0.2", "reward.format_needs_search=true"])
+    assert cfg.reward.kwargs() == {"format_score": 0.2, "format_needs_search": True}
+
+
 @pytest.mark.parametrize("override, message", [
     ("reward_model.enable=true", "model-based reward is not offered"),
     ("reward.search_cost=-0.1", "what one search costs"),
     ("reward.final_format_score=0.3", r"in \[0, reward.format_score"),
     ("reward.format_score=0.6", "sum below 1"),
+    ("reward.format_needs_search=true", "set reward.format_score too"),
 ])
 def test_reward_terms_out_of_range_stop_at_start_up(override, message):
     with pytest.raises(ConfigError, match=message):
