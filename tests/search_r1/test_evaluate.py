@@ -171,6 +171,27 @@ class ScriptedEngine:
         return out
 
 
+class ContinuingEngine(ScriptedEngine):
+    """The scripted engine for a context that ends with an opened "<think>" (`ends`): the model
+    continues it, so its reply goes without the "<think>" the script begins with. Keeps those replies."""
+
+    def __init__(self, tokenizer, golds: dict[str, str], ends: str):
+        super().__init__(tokenizer, golds)
+        self.ends, self.continued = ends, []
+
+    def generate(self, prompts, sampling, stop):
+        from verl.workers.rollout.engines import Generation
+        out = []
+        for ids, g in zip(prompts, super().generate(prompts, sampling, stop)):
+            text = self.tokenizer.decode(g.token_ids)
+            if self.tokenizer.decode(ids).endswith(self.ends):
+                self.continued.append(text)
+                text = text.removeprefix("<think>")
+            out.append(Generation(self.tokenizer.encode(text, add_special_tokens=False), g.finish_reason,
+                                  g.stop_reason))
+        return out
+
+
 @pytest.mark.parametrize("mode", ["search", "rag"])
 def test_eval_scripted_answers_count_searches(mode, tiny_model_dir, test_parquet, bm25_server, tmp_path):
     from transformers import AutoTokenizer
@@ -323,29 +344,15 @@ def test_eval_scores_a_response_begun_in_the_prompt_whole(tiny_model_dir, bm25_s
     from transformers import AutoTokenizer
 
     from search_r1.data import preprocess
-    from verl.workers.rollout.engines import Generation
     data = str(preprocess.main(["--bundled", "--split", "test", "--template", "example_think",
                                 "--out", str(tmp_path / "think.parquet")]))
     questions = evaluate.load_questions([data], limit=2)
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
-    first_turns = []
-
-    class ContinuingEngine(ScriptedEngine):
-        def generate(self, prompts, sampling, stop):
-            out = []
-            for ids, g in zip(prompts, super().generate(prompts, sampling, stop)):
-                text = self.tokenizer.decode(g.token_ids)
-                if self.tokenizer.decode(ids).endswith("<think>"):   # the first turn continues the prefix
-                    first_turns.append(text)
-                    text = text.removeprefix("<think>")
-                out.append(Generation(self.tokenizer.encode(text, add_special_tokens=False), g.finish_reason,
-                                      g.stop_reason))
-            return out
-
-    engine = ContinuingEngine(tok, {q.question: q.golds[0] for q in questions})
+    # the first turn continues the prefix
+    engine = ContinuingEngine(tok, {q.question: q.golds[0] for q in questions}, ends="<think>")
     scores = run_eval(EvalConfig(model=tiny_model_dir, data=[data], out=str(tmp_path / "out"),
                                  retriever_url=bm25_server.url + "/retrieve", limit=2), engine=engine)
-    assert len(first_turns) == 2 and scores["per_source"]["geo_qa"]["em"] == 1.0
+    assert len(engine.continued) == 2 and scores["per_source"]["geo_qa"]["em"] == 1.0
     assert scores["per_source"]["geo_qa"]["valid_format"] == 1.0   # only with the prefix in front
     preds = [json.loads(l) for l in (tmp_path / "out" / "predictions_search.jsonl").read_text().splitlines()]
     for p in preds:
@@ -359,27 +366,12 @@ def test_eval_turn_prefix_opens_the_turn_after_each_observation(tiny_model_dir, 
     prediction is the valid whole; refused with the tool protocol."""
     from transformers import AutoTokenizer
 
-    from verl.workers.rollout.engines import Generation
     questions = evaluate.load_questions([test_parquet], limit=2)
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
-    continued = []
-
-    class ContinuingEngine(ScriptedEngine):
-        def generate(self, prompts, sampling, stop):
-            out = []
-            for ids, g in zip(prompts, super().generate(prompts, sampling, stop)):
-                text = self.tokenizer.decode(g.token_ids)
-                if self.tokenizer.decode(ids).endswith("</information>\n\n<think>"):
-                    continued.append(text)
-                    text = text.removeprefix("<think>")
-                out.append(Generation(self.tokenizer.encode(text, add_special_tokens=False), g.finish_reason,
-                                      g.stop_reason))
-            return out
-
-    engine = ContinuingEngine(tok, {q.question: q.golds[0] for q in questions})
+    engine = ContinuingEngine(tok, {q.question: q.golds[0] for q in questions}, ends="</information>\n\n<think>")
     scores = run_eval(EvalConfig(model=tiny_model_dir, data=[test_parquet], out=str(tmp_path / "out"), limit=2,
                                  retriever_url=bm25_server.url + "/retrieve", turn_prefix="<think>"), engine=engine)
-    assert len(continued) == 2 and scores["per_source"]["geo_qa"]["valid_format"] == 1.0
+    assert len(engine.continued) == 2 and scores["per_source"]["geo_qa"]["valid_format"] == 1.0
     preds = [json.loads(l) for l in (tmp_path / "out" / "predictions_search.jsonl").read_text().splitlines()]
     assert all("</information>\n\n<think>found</think>" in p["response"] for p in preds)
     with pytest.raises(ValueError, match="--turn-prefix"):
