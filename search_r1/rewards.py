@@ -40,6 +40,8 @@ logger = logging.getLogger(__name__)
 # pair: "<answer>a <answer>b</answer>" -> "b", "<answer>a</answer> <answer>b" -> "a".
 _ANSWER = re.compile(r"<answer>((?:(?!</?answer>).)*)</answer>", re.DOTALL)
 _INFORMATION = re.compile(r"<information>(.*?)</information>", re.DOTALL)
+# a search with a query that the environment answered (an empty one is answered by a correction)
+_ANSWERED_QUERY = re.compile(r"<search>\s*\S.*?</search>\s*<information>", re.DOTALL)
 
 
 # The tool-calling protocol writes a search as a <tool_call> block and its passages as a tool
@@ -317,7 +319,8 @@ def compute_score(response: str, ground_truth: GroundTruth, *, format_score: flo
     into a full-strength signal against searching, and a policy that searched and scored stopped
     searching within a few steps (benchmarks/RESULTS.md, "Searching at a cost").
     With `format_needs_search`, a wrong answer earns `format_score` (or `structure_bonus`) only if
-    the response searched at least once (holds an <information> block): the cheapest reward then
+    the response searched at least once (a non-empty query the environment answered; an empty
+    <search></search> gets a correction, which does not count): the cheapest reward then
     needs a search. Without it, a policy trained without SFT learned to answer at once, for the
     format alone (benchmarks/RESULTS.md, "The rl-only preset with the response begun with <think>").
     The defaults (all 0) give plain EM, the paper's reward.
@@ -342,17 +345,16 @@ def compute_score(response: str, ground_truth: GroundTruth, *, format_score: flo
     em = exact_match(answer, golds)
     hit = retrieval_hit(response, golds)
 
-    searches = len(_INFORMATION.findall(as_tags(response))) if search_cost or format_needs_search else 0
     score = (1.0 - format_score) * em + format_score * valid
     if not em:
         if not valid and answer is not None:
             score = structure_bonus
-        if format_needs_search and not searches:
+        if format_needs_search and not _ANSWERED_QUERY.search(as_tags(response)):
             score = 0.0
         if hit and valid:
             score += retrieval_score
     if search_cost and em:
-        score -= search_cost * searches
+        score -= search_cost * len(_INFORMATION.findall(as_tags(response)))
     return RewardResult(score=score, em=em, f1=token_f1(answer, golds),
                         substring=substring_match(answer, golds), format_ok=valid,
                         answer=answer, retrieval_hit=hit)

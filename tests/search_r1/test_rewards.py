@@ -284,6 +284,10 @@ def test_format_needs_search_pays_the_format_after_a_search_only():
     assert compute_score(VALID_WRONG, ["Paris"], **needs).score == pytest.approx(0.2)
     assert compute_score(VALID_WRONG_HIT, ["Paris"], **needs).score == pytest.approx(0.5)
     assert compute_score(INVALID_WRONG_WITH_ANSWER, ["Paris"], **needs).score == pytest.approx(0.1)
+    # an empty search is answered by a correction, not passages: it does not unlock the format's reward
+    from search_r1.agent.loop import INVALID_ACTION
+    empty = "<think>x</think><search> </search>" + INVALID_ACTION + "<think>y</think><answer>Lyon</answer>"
+    assert check_format(empty).valid and compute_score(empty, ["Paris"], **needs).score == 0.0
     # a right answer is paid whether it searched or not
     assert compute_score("<think>x</think><answer>Paris</answer>", ["Paris"], **needs).score == 1.0
 
