@@ -87,7 +87,6 @@ class Variant:
                 v.eval_topk = int(value)
             elif key == "turn_prefix":
                 v.turn_prefix = value
-                v.overrides["actor_rollout_ref.rollout.agent_kwargs"] = "{turn_prefix: '%s'}" % value
             else:
                 v.overrides[key] = value
         return v
@@ -143,7 +142,7 @@ def eval_cmd(model: Path, data: Path, url: str, out: Path, mode: str, topk: int,
 def train_keys(v: Variant, model: Path, data: dict, url: str, run_dir: Path, minutes: float, memory: float,
                shared: bool, kv_gib: float) -> list[str]:
     """The trainer keys of one variant's run: the demo's `gpu` preset, then the variant's own."""
-    preset = replace(PRESETS["gpu"], grpo_minutes=minutes)
+    preset = replace(PRESETS["gpu"], grpo_minutes=minutes, turn_prefix=v.turn_prefix)
     keys = grpo_overrides(preset, data["train"], data["test"], model, url, run_dir)
     keys += [f"actor_rollout_ref.rollout.gpu_memory_utilization={memory}",
              f"trainer.experiment_name={v.name}"]
