@@ -12,6 +12,8 @@ before calling a change to a GPU path done. Parts:
 - eval-inprocess  the same with the engine core in this process and a fixed KV cache (--kv-cache-gib)
 - demo            `python -m search_r1.demo --preset gpu --retriever bm25 --grpo-minutes 1`
 - demo-tools      the same with `--protocol tools` (tool calls through the chat template)
+- demo-rl-only    the same with `--preset rl-only` (no SFT; the response begun with `<think>`, a
+                  `<think>` opened after each observation, the format paid only after a search)
 - grpo-0.5b       one GRPO step of a Qwen2.5-0.5B-shaped model through `verl.trainer.main_ppo` (Ray)
 - grpo-0.5b-overlap  two such steps with `trainer.overlap_rollout=true` (the second trains on the
                   batch generated during the first)
@@ -83,16 +85,17 @@ def parts(out: Path, gpu_count: int, tokenizer: str) -> list[Part]:
     make_encoder_dir(str(enc), tokenizer, dim=384, layers=2)
     # The longest part first: parts start in this order as GPUs come free, and the demo needs the
     # most time of any.
-    def demo_part(protocol: str) -> Part:
-        dest = out / ("demo" if protocol == "tags" else f"demo-{protocol}")
-        return Part(dest.name, 1, [sh(PY, "-m", "search_r1.demo", "--preset", "gpu", "--retriever", "bm25",
-                                      "--grpo-minutes", 1, "--eval-questions", EVAL_QUESTIONS, "--protocol", protocol,
-                                      "--out", dest)],
+    def demo_part(name: str, preset: str = "gpu", protocol: str = "tags") -> Part:
+        dest = out / name
+        return Part(name, 1, [sh(PY, "-m", "search_r1.demo", "--preset", preset, "--retriever", "bm25",
+                                 "--grpo-minutes", 1, "--eval-questions", EVAL_QUESTIONS, "--protocol", protocol,
+                                 "--out", dest)],
                     lambda: expect_file(dest / "run" / "report.html"))
 
     return [
-        demo_part("tags"),
-        demo_part("tools"),   # the tool-calling protocol: verl's multi_turn keys, the search tool
+        demo_part("demo"),
+        demo_part("demo-tools", protocol="tools"),   # verl's multi_turn keys, the search tool
+        demo_part("demo-rl-only", preset="rl-only"),  # the search agent's turn_prefix, reward.format_needs_search
         Part("gpu-tests", min(2, gpu_count), [sh(PY, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
                                                  *sorted(str(p) for p in ROOT.glob("tests/**/*_gpu.py")))],
              lambda: expect_no_skips(out / "gpu-tests.log", gpu_count)),
