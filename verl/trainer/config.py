@@ -119,10 +119,11 @@ class ActorConfig:
     ppo_micro_batch_size: int = key(64, "trajectories per forward/backward of the actor (also per forward of the "
                                         "old log-probs), summed over all GPUs")
     ppo_epochs: int = key(1, "passes over each step's trajectories (the critic's too)")
-    old_log_probs: str = key("auto", "auto: where a training step is one optimizer step on its own samples "
-                                     "(ppo_epochs 1, ppo_mini_batch_size = all trajectories, no KL in the reward), "
-                                     "the update's own forward gives the log-probs the ratio starts from, and the "
-                                     "separate pass over the batch is skipped | recompute: always that pass")
+    old_log_probs: str = key("auto", "auto: where a training step is one epoch (ppo_epochs 1) and the reward has "
+                                     "no KL, the separate pass over the batch is skipped: the first mini-batch's "
+                                     "own forward gives the log-probs the ratio starts from, and each worker "
+                                     "computes the later mini-batches' ones before its first optimizer step | "
+                                     "recompute: always that pass")
     rollout_is_cap: float = key(2.0, "off-policy steps (trainer.overlap_rollout): each model token's loss is "
                                      "weighted by pi_old / pi_rollout, the importance weight of the policy being "
                                      "trained over the one that sampled it, truncated at this value (>= 1)")

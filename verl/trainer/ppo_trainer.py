@@ -94,10 +94,9 @@ class PPOTrainer:
         self.step = 0
         self.health = HealthWatch(cfg.trainer.health)
         actor = cfg.actor_rollout_ref.actor
-        # One optimizer step on the step's own samples: the log-probs before the update are those of
-        # the update's forward, so the separate pass would compute them twice.
+        # One epoch: the update finds the log-probs before it on its own (Actor.update), at less cost
+        # than the separate pass; only the KL in the reward needs them before the update.
         self.old_from_update = (sizes is not None and actor.old_log_probs == "auto" and actor.ppo_epochs == 1
-                                and sizes.mini_batch_trajectories_per_worker >= sizes.trajectories_per_worker
                                 and not cfg.algorithm.use_kl_in_reward)
         self.lr_scale = 1.0   # trainer.health.lr_factor per rollback
         self.ahead: Ahead | None = None  # trainer.overlap_rollout: the next step's examples and rollout

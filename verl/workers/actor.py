@@ -90,21 +90,18 @@ class Actor(TrainedModel):
 
     def update(self, batch: RolloutBatch, mini_batch_size: int, shuffle: bool = True,
                loss_norm_length: float | None = None) -> dict[str, float]:
-        """One training step of PPO on this process's trajectories. Needs batch.advantages_BR, and
-        old_logprobs_BR unless the step is one optimizer step on its own samples (then they are the
-        forward's own), and ref_logprobs_BR with `use_kl_loss`. Returns metrics averaged over
+        """One training step of PPO on this process's trajectories. Needs batch.advantages_BR,
+        ref_logprobs_BR with `use_kl_loss`, and old_logprobs_BR unless `ppo_epochs` is 1 (then the
+        update finds them itself: see `_own_old_logprobs`). Returns metrics averaged over
         micro-batches (pg_loss, entropy, clipfrac, approx_kl, kl_loss) and optimizer steps (grad_norm).
         `loss_norm_length`: the constant of the seq-mean-token-sum-norm aggregation (Dr.GRPO)."""
         cfg = self.cfg
         if batch.advantages_BR is None:
             raise ValueError("actor update needs batch.advantages_BR")
-        # Without old log-probs the update must be one optimizer step on these samples: the ratio then
-        # starts at 1, from the log-probs of its own forward (the trainer's old_log_probs=auto).
-        on_policy = batch.old_logprobs_BR is None
-        if on_policy and not (self.ppo_epochs == 1 and len(batch) <= mini_batch_size):
-            raise ValueError("actor update needs batch.old_logprobs_BR unless it is one optimizer step (ppo_epochs 1, "
-                             f"one mini-batch): here {self.ppo_epochs} epochs of {len(batch)} trajectories in "
-                             f"mini-batches of {mini_batch_size}")
+        own_old = batch.old_logprobs_BR is None   # the trainer's old_log_probs=auto
+        if own_old and self.ppo_epochs != 1:
+            raise ValueError(f"actor update needs batch.old_logprobs_BR with ppo_epochs={self.ppo_epochs}: a second "
+                             "epoch trains on samples the first one has moved away from")
         if cfg.use_kl_loss and batch.ref_logprobs_BR is None:
             raise ValueError("use_kl_loss needs batch.ref_logprobs_BR (enable the reference model)")
 
@@ -114,7 +111,7 @@ class Actor(TrainedModel):
                     self.model, micro.input_ids_BT, micro.attention_mask_BT, micro.prompt_width, self.temperature,
                     compute_entropy=True, max_tokens_per_pack=self.max_tokens_per_pack,
                     entropy_grad=cfg.entropy_coeff != 0)
-            old_BR = logprobs_BR.detach() if on_policy else micro.old_logprobs_BR
+            old_BR = logprobs_BR.detach() if micro.old_logprobs_BR is None else micro.old_logprobs_BR
             weights_BR, is_stats = None, {}
             if micro.rollout_logprobs_BR is not None:  # sampled by older weights (trainer.overlap_rollout)
                 weights_BR, is_stats = truncated_importance_weights(old_BR, micro.rollout_logprobs_BR,
@@ -133,7 +130,17 @@ class Actor(TrainedModel):
                 stats["kl_loss"] = kl.item()
             return loss, stats
 
-        return self.run_update(batch, mini_batch_size, micro_loss, shuffle)
+        return self.run_update(batch, mini_batch_size, micro_loss, shuffle,
+                               before_first_step=self._own_old_logprobs if own_old else None)
+
+    def _own_old_logprobs(self, minis: list[RolloutBatch]) -> None:
+        """The log-probs the ratio starts from, without the trainer's separate pass. The first
+        mini-batch trains on the rollout's weights, so its own forward gives them (the ratio starts
+        at 1). The later ones train after one or more optimizer steps: their log-probs under the
+        rollout's weights are computed here, before the first step. That is the separate pass less
+        one mini-batch, with no round trip through the driver."""
+        for mini in minis[1:]:
+            mini.old_logprobs_BR = self.compute_logprobs(mini)
 
 
 class Reference:

@@ -201,10 +201,13 @@ class TrainedModel:
         return batch.loss_mask_BR if self.state_masking else batch.response_mask_BR
 
     def run_update(self, batch: RolloutBatch, mini_batch_size: int, micro_loss: MicroLoss,
-                   shuffle: bool = True) -> dict[str, float]:
+                   shuffle: bool = True, before_first_step: Callable[[list[RolloutBatch]], None] | None = None
+                   ) -> dict[str, float]:
         """One training step: `micro_loss(micro, mask_BR) -> (loss, stats)` for every micro-batch,
         gradients accumulated over a mini-batch, one optimizer step per mini-batch. Returns the
-        stats averaged over micro-batches, grad_norm averaged over optimizer steps, and lr."""
+        stats averaged over micro-batches, grad_norm averaged over optimizer steps, and lr.
+        `before_first_step(minis)`: called with the first epoch's mini-batches, in training order,
+        while the weights are still those of the rollout (it may fill in their fields)."""
         check_batch_sizes(len(batch), mini_batch_size, self.micro_batch_size, self.role)
         if self.optimizer_offload:
             move_optimizer_state(self.optimizer, self.device)
@@ -214,7 +217,11 @@ class TrainedModel:
         step = self.scheduler.last_epoch
         lr = self.scheduler.get_last_lr()[0]
         for epoch in range(self.ppo_epochs):
-            for mini in shuffled_mini_batches(batch, mini_batch_size, self.seed + 100_003 * step + epoch, shuffle):
+            minis = shuffled_mini_batches(batch, mini_batch_size, self.seed + 100_003 * step + epoch, shuffle)
+            if epoch == 0 and before_first_step is not None:
+                before_first_step(minis)
+                self.model.train()   # its passes may have set eval mode
+            for mini in minis:
                 total_units = all_reduce_scalar(loss_units(self.loss_mask(mini), self.loss_agg))
                 self.optimizer.zero_grad(set_to_none=True)
                 micros = mini.split(mini_batch_size // self.micro_batch_size)

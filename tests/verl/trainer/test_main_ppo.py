@@ -159,13 +159,17 @@ def test_val_only_validates_once_and_trains_nothing(tiny_model_dir, bundled_data
 
 def test_grpo_with_the_hf_rollout_engine(tiny_model_dir, bundled_data, bm25_server, tmp_path):
     """rollout.name=hf end to end: transformers generates, and the updated weights are pushed into it
-    after each update (this path once failed at the first weight push with a TypeError)."""
+    after each update (this path once failed at the first weight push with a TypeError). Two
+    mini-batches a step: the update computes the second one's old log-probs itself."""
     args = common(tiny_model_dir, bundled_data, bm25_server) + [
         "algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.name=hf", "trainer.single_process=true",
-        "trainer.n_gpus_per_node=1", "trainer.total_training_steps=2", "trainer.val_before_train=false"]
+        "trainer.n_gpus_per_node=1", "trainer.total_training_steps=2", "trainer.val_before_train=false",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=2", "actor_rollout_ref.actor.use_kl_loss=true",
+        "algorithm.use_kl_in_reward=false"]
     rows, _ = train(args, tmp_path / "hf")
     assert [r["step"] for r in rows] == [1, 2]
     assert all(r["grad_norm"] > 0 and "timing_s/weight_sync" in r for r in rows)
+    assert all("timing_s/old_log_probs" not in r for r in rows)
 
 
 def test_a_resumed_step_samples_what_the_uninterrupted_run_sampled(tiny_model_dir, bundled_data, bm25_server,

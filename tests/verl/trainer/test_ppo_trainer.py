@@ -24,7 +24,8 @@ def _trainer(**keys) -> PPOTrainer:
 
 @pytest.mark.parametrize("keys, separate", [
     ({}, False),                                                               # one on-policy optimizer step
-    ({"actor_rollout_ref__actor__ppo_mini_batch_size": 4}, True),              # two optimizer steps
+    ({"actor_rollout_ref__actor__ppo_mini_batch_size": 4}, False),             # two: the update computes
+                                                                               # the second one's itself
     ({"actor_rollout_ref__actor__ppo_epochs": 2}, True),
     ({"actor_rollout_ref__actor__old_log_probs": "recompute"}, True),
     ({"algorithm__use_kl_in_reward": True}, True),                              # the reward's KL reads them

@@ -277,24 +277,50 @@ def test_gradient_accumulation_equals_one_big_micro_batch(tiny_model_dir, batch)
         assert isinstance(m_small[key], float)
 
 
-def test_one_on_policy_step_takes_its_old_log_probs_from_its_own_forward(tiny_model_dir, batch):
-    """actor.old_log_probs=auto: with one epoch of one mini-batch, an update without old log-probs
-    equals the update after the separate pass that computes them."""
+@pytest.mark.parametrize("mini_batch_size", [8, 4, 2])
+def test_an_update_without_old_log_probs_equals_the_one_after_the_separate_pass(tiny_model_dir, batch,
+                                                                                mini_batch_size):
+    """actor.old_log_probs=auto: one epoch without old log-probs (the first mini-batch takes them from
+    its own forward, the update computes the later ones' before its first step) equals the update
+    after the separate pass, with one optimizer step (8) or several (4, 2: the later mini-batches
+    train off-policy, so log-probs taken after the first step would change the result)."""
     from dataclasses import replace
     results = []
     for separate in (True, False):
         actor = make_actor(tiny_model_dir, ppo_epochs=1)
         before = params_of(actor.model)
         step = replace(batch, old_logprobs_BR=actor.compute_logprobs(batch) if separate else None)
-        metrics = actor.update(step, mini_batch_size=8, shuffle=False)
+        metrics = actor.update(step, mini_batch_size=mini_batch_size)
         results.append((params_of(actor.model), metrics))
+        assert actor.model.training
     (p_pass, m_pass), (p_own, m_own) = results
     assert max_diff(p_pass, before) > 1e-4   # the update did something
     assert max_diff(p_pass, p_own) < 1e-6
-    assert m_own["pg_loss"] == pytest.approx(m_pass["pg_loss"], abs=1e-6) and m_own["clipfrac"] == 0.0
+    for key in ("pg_loss", "clipfrac", "approx_kl", "kl_loss"):
+        assert m_own[key] == pytest.approx(m_pass[key], abs=1e-6), key
     assert m_own["grad_norm"] == pytest.approx(m_pass["grad_norm"], rel=1e-5)
-    with pytest.raises(ValueError, match="unless it is one optimizer step"):   # two mini-batches: off-policy
-        make_actor(tiny_model_dir, ppo_epochs=1).update(replace(batch, old_logprobs_BR=None), mini_batch_size=4)
+    if mini_batch_size < len(batch):
+        assert m_own["clipfrac"] > 0   # the later mini-batches did train off-policy
+
+
+def test_later_mini_batches_need_the_log_probs_from_before_the_first_step(tiny_model_dir, batch):
+    """The counter-check: old log-probs taken after the first optimizer step (what a forward of the
+    later mini-batches would give) change the update, so the test above can tell the two apart."""
+    from dataclasses import replace
+    actor = make_actor(tiny_model_dir, ppo_epochs=1)
+    reference = make_actor(tiny_model_dir, ppo_epochs=1)
+    reference.update(replace(batch, old_logprobs_BR=reference.compute_logprobs(batch)), mini_batch_size=4)
+    moved = make_actor(tiny_model_dir, ppo_epochs=1)
+    moved.update(replace(batch, old_logprobs_BR=None), mini_batch_size=8)   # one step: the weights move
+    late = replace(batch, old_logprobs_BR=moved.compute_logprobs(batch))
+    actor.update(late, mini_batch_size=4)
+    assert max_diff(params_of(actor.model), params_of(reference.model)) > 1e-5
+
+
+def test_two_epochs_need_the_old_log_probs(tiny_model_dir, batch):
+    from dataclasses import replace
+    with pytest.raises(ValueError, match="ppo_epochs=2"):
+        make_actor(tiny_model_dir, ppo_epochs=2).update(replace(batch, old_logprobs_BR=None), mini_batch_size=8)
 
 
 def test_masked_positions_have_no_influence(tiny_model_dir, batch):
@@ -361,8 +387,18 @@ def _fsdp_rank(rank, world, port, model_dir, batch_path, out_dir, unsharded):
         critic = make_critic(model_dir, unsharded=unsharded)
         critic_metrics = critic.update(part, mini_batch_size=len(part))
         critic_params = params_of(critic.model)
+        # Two mini-batches with the old log-probs left to the update (actor.old_log_probs=auto): its
+        # extra forwards must pair up across ranks, and give the update after the separate pass.
+        from dataclasses import replace
+        two_minis = []
+        for separate in (True, False):
+            a = make_actor(model_dir, unsharded=unsharded, ppo_epochs=1)
+            a.update(replace(part, old_logprobs_BR=a.compute_logprobs(part) if separate else None),
+                     mini_batch_size=len(part) // 2)
+            two_minis.append(params_of(a.model))
         torch.save(dict(logprobs_BR=logprobs_BR, actor_metrics=actor_metrics, actor_params=actor_params,
-                        actor_params_bf16=actor_params_bf16, critic_metrics=critic_metrics, critic_params=critic_params), f"{out_dir}/rank{rank}.pt")
+                        actor_params_bf16=actor_params_bf16, critic_metrics=critic_metrics, critic_params=critic_params,
+                        two_minis_diff=max_diff(*two_minis)), f"{out_dir}/rank{rank}.pt")
     finally:
         dist.destroy_process_group()
 
@@ -392,6 +428,7 @@ def test_fsdp_world_size_2_matches_single_process(tiny_model_dir, batch, tmp_pat
         assert max_diff({n: t.float() for n, t in r["actor_params_bf16"].items()},
                         {n: t.to(torch.bfloat16).float() for n, t in r["actor_params"].items()}) == 0
     assert max_diff(params_of(actor.model), before) > 1e-4
+    assert all(r["two_minis_diff"] < 1e-6 for r in ranks)
     # The gradient norm is global: both ranks report the single-process value.
     for r in ranks:
         assert r["actor_metrics"]["grad_norm"] == pytest.approx(actor_metrics["grad_norm"], rel=1e-5)
