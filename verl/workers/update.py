@@ -209,18 +209,22 @@ class TrainedModel:
         `before_first_step(minis)`: called with the first epoch's mini-batches, in training order,
         while the weights are still those of the rollout (it may fill in their fields)."""
         check_batch_sizes(len(batch), mini_batch_size, self.micro_batch_size, self.role)
+        step = self.scheduler.last_epoch
+        lr = self.scheduler.get_last_lr()[0]
+
+        def mini_batches(epoch: int) -> list[RolloutBatch]:
+            return shuffled_mini_batches(batch, mini_batch_size, self.seed + 100_003 * step + epoch, shuffle)
+
+        first = mini_batches(0)
+        if before_first_step is not None:   # before the optimizer state comes back onto the GPU
+            before_first_step(first)
         if self.optimizer_offload:
             move_optimizer_state(self.optimizer, self.device)
         self.model.train()
         sums: dict[str, float] = {}
         n_micro, grad_norms = 0, []
-        step = self.scheduler.last_epoch
-        lr = self.scheduler.get_last_lr()[0]
         for epoch in range(self.ppo_epochs):
-            minis = shuffled_mini_batches(batch, mini_batch_size, self.seed + 100_003 * step + epoch, shuffle)
-            if epoch == 0 and before_first_step is not None:
-                before_first_step(minis)
-                self.model.train()   # its passes may have set eval mode
+            minis = first if epoch == 0 else mini_batches(epoch)
             for mini in minis:
                 total_units = all_reduce_scalar(loss_units(self.loss_mask(mini), self.loss_agg))
                 self.optimizer.zero_grad(set_to_none=True)
