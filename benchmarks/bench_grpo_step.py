@@ -54,6 +54,8 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--prompts", type=int, default=64, help="prompts per step")
     p.add_argument("--n", type=int, default=5, help="samples per prompt")
+    p.add_argument("--mini-batches", type=int, default=1, help="optimizer steps per training step (the "
+                   "original's recipe: 2, 512 prompts in mini-batches of 256)")
     p.add_argument("--gpus", type=int, default=1)
     p.add_argument("--max-turns", type=int, default=2)
     p.add_argument("--response-length", type=int, default=256, help="tokens per turn")
@@ -102,7 +104,10 @@ def main(argv=None):
     retriever_url = a.retriever_url or f"{server.url}/retrieve"
     gpu = not a.quick
     run_dir = work / f"run_{a.shape}_{int(time.time())}"
-    mini = a.prompts * a.n  # trajectories: one optimizer step per training step
+    if (a.prompts * a.n) % (a.mini_batches * a.gpus):
+        raise SystemExit(f"--prompts × --n = {a.prompts * a.n} trajectories do not split into {a.mini_batches} "
+                         f"mini-batches on {a.gpus} GPUs")
+    mini = a.prompts * a.n // a.mini_batches  # trajectories per optimizer step
     args = [f"data.train_files={work / 'train.parquet'}", f"data.val_files={work / 'test.parquet'}",
             f"data.train_batch_size={a.prompts}", "data.val_data_num=8", "data.max_prompt_length=512",
             f"data.max_response_length={a.response_length}", "data.max_obs_length=256",
@@ -110,7 +115,7 @@ def main(argv=None):
             f"actor_rollout_ref.actor.ppo_mini_batch_size={mini}",
             # Micro-batches of 16 (update) and 32 (log-probs) trajectories per GPU, whatever the number
             # of GPUs (the keys count over all of them), so runs on 1 and on N GPUs do the same work per GPU.
-            f"actor_rollout_ref.actor.ppo_micro_batch_size={min(16 * a.gpus, a.prompts * a.n)}",
+            f"actor_rollout_ref.actor.ppo_micro_batch_size={min(16 * a.gpus, mini)}",
             f"actor_rollout_ref.rollout.log_prob_micro_batch_size={min(32 * a.gpus, a.prompts * a.n)}",
             f"actor_rollout_ref.ref.log_prob_micro_batch_size={min(32 * a.gpus, a.prompts * a.n)}",
             "algorithm.adv_estimator=grpo", "algorithm.use_kl_in_reward=false",
@@ -144,6 +149,7 @@ def main(argv=None):
     for row in rows:
         phases = {k.removeprefix("timing_s/"): round(v, 3) for k, v in row.items() if k.startswith("timing_s/")}
         out = {"device": device, "shape": a.shape, "gpus": a.gpus, "prompts": a.prompts, "n": a.n,
+               "mini_batches": a.mini_batches,
                "search_every": a.search_every, "tag_bias": bias or None, "overrides": a.overrides,
                "step": row["step"], "phases_s": phases,
                **{k: round(row[k], 4) for k in ("reward/mean", "grad_norm", "kl_loss", "response/length",

@@ -11,7 +11,9 @@ gibberish, but every code path (chat template, stop strings, EOS, engines) runs 
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
+import json
 import logging
 import os
 import shutil
@@ -48,6 +50,9 @@ def load_smollm2_tokenizer():
 def _is_model_dir(path: Path) -> bool:
     # config.json is moved into place last (see _publish), so its presence means complete.
     return (path / "config.json").is_file() and (path / "model.safetensors").is_file()
+
+
+_MADE_WITH = "made_with.json"   # make_tiny_model's arguments and vocabulary, beside the weights
 
 
 def _publish(tmp: Path, out: Path) -> None:
@@ -108,7 +113,9 @@ def make_tiny_model(
     seed: int = 0,
 ) -> str:
     """Write a random Llama with a real tokenizer (SmolLM2's by default, or the one in the
-    `tokenizer_from` directory). Same arguments and seed give the same weights."""
+    `tokenizer_from` directory). Same arguments and seed give the same weights, so a directory
+    written by the same arguments and vocabulary is kept as it is (a 3B shape takes minutes to
+    draw and write)."""
     from transformers import AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM
 
     if hidden % heads or heads % kv_heads:
@@ -121,6 +128,14 @@ def make_tiny_model(
     out = Path(out_dir)
     tokenizer = (load_smollm2_tokenizer() if tokenizer_from is None
                  else AutoTokenizer.from_pretrained(tokenizer_from))
+    vocab = hashlib.sha256(json.dumps(sorted(tokenizer.get_vocab().items())).encode()).hexdigest()
+    spec = json.dumps(dict(vocab=vocab, hidden=hidden, layers=layers, heads=heads, kv_heads=kv_heads,
+                           intermediate=intermediate, max_position_embeddings=max_position_embeddings,
+                           init_std=init_std, dtype=dtype, seed=seed), sort_keys=True)
+    made = out / _MADE_WITH
+    if made.exists() and made.read_text() == spec and (out / "config.json").exists():
+        return str(out)
+    made.unlink(missing_ok=True)   # written last: a rewrite cut short is not taken for a finished one
     config = LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=hidden,
@@ -149,4 +164,5 @@ def make_tiny_model(
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     _publish(tmp, out)
+    made.write_text(spec)
     return str(out)

@@ -27,6 +27,8 @@ def test_quick(script, tmp_path):
         args += ["--workdir", str(tmp_path / "work")]
     if script == "bench_server.py":
         args += ["--devices", "cpu,cpu"]  # the vectors sharded in two, as over several GPUs
+    if script == "bench_grpo_step.py":
+        args += ["--mini-batches", "2"]   # the original's recipe: two optimizer steps a training step
     r = subprocess.run(args, capture_output=True, text=True, timeout=300, cwd=ROOT,
                        env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert r.returncode == 0, r.stderr[-3000:]
@@ -65,8 +67,9 @@ def test_quick(script, tmp_path):
         assert all(row["shape"] == "tiny" and len(row["tag_bias"]) == 2 for row in rows)  # both search tags
         assert all(row["phases_s"][phase] > 0 for row in rows
                    for phase in ("rollout", "ref_log_probs", "update_actor", "weight_sync", "step"))
-        # one optimizer step a step: the update's own forward gives the old log-probs (actor.old_log_probs=auto)
-        assert all("old_log_probs" not in row["phases_s"] for row in rows)
+        # actor.old_log_probs=auto: the first mini-batch's forward gives its old log-probs, the update
+        # computes the second one's, and the separate pass is skipped
+        assert all(row["mini_batches"] == 2 and "old_log_probs" not in row["phases_s"] for row in rows)
         assert all(row["throughput/generated_tokens_per_s"] > 0 and row["throughput/train_tokens_per_s"] > 0
                    and row["grad_norm"] > 0 for row in rows)
     if script == "bench_actor_update.py":  # --quick: both attentions, the same update

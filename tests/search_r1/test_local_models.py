@@ -38,6 +38,23 @@ def test_tiny_model_is_deterministic_and_loads(tmp_path):
     assert sum(p.numel() for p in model.parameters()) < 4_000_000
 
 
+def test_a_tiny_model_made_again_with_the_same_arguments_is_kept(tmp_path):
+    out = tmp_path / "m"
+    make_tiny_model(out, seed=0)
+    inode = lambda: (out / "model.safetensors").stat().st_ino   # noqa: E731 - a rewrite replaces the file
+    first, digest = inode(), weights_digest(out)
+    make_tiny_model(out, seed=0)
+    assert inode() == first                                     # kept
+    make_tiny_model(out, seed=1)                                # other arguments: written anew
+    assert inode() != first and weights_digest(out) != digest
+    make_tiny_model(out, seed=0)
+    assert weights_digest(out) == digest
+    (out / "made_with.json").unlink()                           # as after a rewrite cut short
+    again = inode()
+    make_tiny_model(out, seed=0)
+    assert inode() != again and weights_digest(out) == digest
+
+
 def test_tiny_model_rejects_head_size_vllm_cannot_run(tmp_path):
     with pytest.raises(ValueError, match="head size"):
         make_tiny_model(tmp_path / "m", hidden=64, heads=4, kv_heads=1)
