@@ -114,8 +114,8 @@ def make_tiny_model(
 ) -> str:
     """Write a random Llama with a real tokenizer (SmolLM2's by default, or the one in the
     `tokenizer_from` directory). Same arguments and seed give the same weights, so a directory
-    written by the same arguments and vocabulary is kept as it is (a 3B shape takes minutes to
-    draw and write)."""
+    written by the same arguments and vocabulary is kept as it is (a 3B shape is slow to draw
+    and write on a CPU)."""
     from transformers import AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM
 
     if hidden % heads or heads % kv_heads:
