@@ -277,6 +277,10 @@ def test_gradient_accumulation_equals_one_big_micro_batch(tiny_model_dir, batch)
         assert isinstance(m_small[key], float)
 
 
+# Exact on the CPU (one sequence a pack). On a GPU the separate pass and the update pack different
+# rows together, fp32 kernels then differ in the last bits, and Adam's first step magnifies that where
+# a gradient is near 0: on an H200 the parameters differed by 1e-5 to 1.5e-4, one mini-batch included.
+@pytest.mark.skipif(torch.cuda.is_available(), reason="exact only on the CPU (see the comment)")
 @pytest.mark.parametrize("mini_batch_size", [8, 4, 2])
 def test_an_update_without_old_log_probs_equals_the_one_after_the_separate_pass(tiny_model_dir, batch,
                                                                                 mini_batch_size):
