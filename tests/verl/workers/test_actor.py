@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import socket
+from dataclasses import replace
 
 import pytest
 import torch
@@ -288,7 +289,6 @@ def test_an_update_without_old_log_probs_equals_the_one_after_the_separate_pass(
     its own forward, the update computes the later ones' before its first step) equals the update
     after the separate pass, with one optimizer step (8) or several (4, 2: the later mini-batches
     train off-policy, so log-probs taken after the first step would change the result)."""
-    from dataclasses import replace
     results = []
     for separate in (True, False):
         actor = make_actor(tiny_model_dir, ppo_epochs=1)
@@ -310,7 +310,6 @@ def test_an_update_without_old_log_probs_equals_the_one_after_the_separate_pass(
 def test_later_mini_batches_need_the_log_probs_from_before_the_first_step(tiny_model_dir, batch):
     """The counter-check: old log-probs taken after the first optimizer step (what a forward of the
     later mini-batches would give) change the update, so the test above can tell the two apart."""
-    from dataclasses import replace
     actor = make_actor(tiny_model_dir, ppo_epochs=1)
     reference = make_actor(tiny_model_dir, ppo_epochs=1)
     reference.update(replace(batch, old_logprobs_BR=reference.compute_logprobs(batch)), mini_batch_size=4)
@@ -322,7 +321,6 @@ def test_later_mini_batches_need_the_log_probs_from_before_the_first_step(tiny_m
 
 
 def test_two_epochs_need_the_old_log_probs(tiny_model_dir, batch):
-    from dataclasses import replace
     with pytest.raises(ValueError, match="ppo_epochs=2"):
         make_actor(tiny_model_dir, ppo_epochs=2).update(replace(batch, old_logprobs_BR=None), mini_batch_size=8)
 
@@ -393,7 +391,6 @@ def _fsdp_rank(rank, world, port, model_dir, batch_path, out_dir, unsharded):
         critic_params = params_of(critic.model)
         # Two mini-batches with the old log-probs left to the update (actor.old_log_probs=auto): its
         # extra forwards must pair up across ranks, and give the update after the separate pass.
-        from dataclasses import replace
         two_minis = []
         for separate in (True, False):
             a = make_actor(model_dir, unsharded=unsharded, ppo_epochs=1)
