@@ -13,7 +13,8 @@ before calling a change to a GPU path done. Parts:
 - demo            `python -m search_r1.demo --preset gpu --retriever bm25 --grpo-minutes 1`
 - demo-tools      the same with `--protocol tools` (tool calls through the chat template)
 - demo-rl-only    the same with `--preset rl-only` (no SFT; the response begun with `<think>`, a
-                  `<think>` opened after each observation, the format paid only after a search)
+                  `<think>` opened after each observation, the format paid only after a search,
+                  Dr.GRPO advantages)
 - grpo-0.5b       one GRPO step of a Qwen2.5-0.5B-shaped model through `verl.trainer.main_ppo` (Ray),
                   two optimizer steps in it
 - grpo-0.5b-overlap  two such steps with `trainer.overlap_rollout=true` (the second trains on the

@@ -17,8 +17,8 @@ after, GRPO for as many steps as fit in `--grpo-minutes`, validated every 10 ste
 `rl-only` is the `gpu` preset without stage 5: reinforcement learning alone from the bundled model,
 with the prompt that shows one worked search, the response begun with `<think>` (`--template
 example_think`) and a `<think>` opened after each observation (the agent's turn_prefix), and a
-reward for the valid format after a search and for retrieving the answer (benchmarks/RESULTS.md,
-"Reinforcement learning alone").
+reward for the valid format after a search and for retrieving the answer, and GRPO's advantages not
+divided by the group's reward spread (Dr.GRPO; benchmarks/RESULTS.md, "Reinforcement learning alone").
 On CPU the GRPO stage is a smoke run of the RL path (a few steps cannot move EM); the `gpu` preset
 is the one that shows what GRPO does.
 
@@ -112,12 +112,16 @@ PRESETS = {
 # bundled model answers without searching (RESULTS.md, "The rl-only preset with the response begun
 # with <think>"). So the format is now paid only after a search (reward.format_needs_search), and the
 # agent opens a "<think>" after each observation too (turn_prefix), without which no searching sample of
-# the bundled model went on in the valid format; with it some do ("A next lever", same section). This
-# form of the preset has not run on a GPU yet.
+# the bundled model went on in the valid format; with it some do ("A next lever", same section).
+# On a GPU the policy then searched once with a query that found nothing and answered wrongly, for the
+# format's 0.2 again. GRPO's division by the group's reward spread makes a lone sample that breaks
+# the format weigh as much as a lone right answer; without it (Dr.GRPO advantages) a right answer
+# weighs four times more, and the policy left that plateau and learned the one-hop questions
+# (RESULTS.md, "The rl-only preset with the format paid after a search").
 PRESETS["rl-only"] = dataclasses.replace(
     PRESETS["gpu"], sft=False, template="example_think", grpo_minutes=15, turn_prefix="<think>",
     reward_keys=("reward.format_score=0.2", "reward.final_format_score=0", "reward.retrieval_score=0.3",
-                 "reward.format_needs_search=true"))
+                 "reward.format_needs_search=true", "algorithm.norm_adv_by_std_in_grpo=false"))
 GPU_PRESETS = ("gpu", "rl-only")
 
 

@@ -12,7 +12,7 @@ Deviation from the original scripts: `extra_info.index` runs over all merged sou
 unique in a file and can serve as the prompt's group id; the original restarted it at 0 for each
 source, which made ids collide when NQ and HotpotQA were trained on together.
 
-The template is one of ours (`--template base|instruct|example|example_think|tool`; `tool` writes verl's
+The template is one of ours (`--template base|instruct|example|example2|example_think|example2_think|tool`; `tool` writes verl's
 search-tool rows: a system message and `extra_info.tools_kwargs`, for the tool-calling protocol) or
 the user's (`--template-file FILE`, a format string with the placeholders of
 `templates.PLACEHOLDERS`), so data can be rebuilt with the exact prompt of earlier runs; the trainer
@@ -237,9 +237,9 @@ def main(argv: list[str] | None = None, loader: Loader | None = None) -> Path:
     prompt = parser.add_mutually_exclusive_group()
     prompt.add_argument("--template", default="instruct", choices=sorted(TEMPLATES),
                         help="one of our prompt templates (base: plain text for base models; example: "
-                             "instruct with one worked search; example_think: example, the response "
-                             "begun with <think>; tool: the "
-                             "tool-calling protocol, rows in verl's search-tool layout)")
+                             "instruct with one worked search; example2: with two, the second made from the "
+                             "first's result; example_think, example2_think: the response begun with "
+                             "<think>; tool: the tool-calling protocol, rows in verl's search-tool layout)")
     prompt.add_argument("--template-file", default=None, metavar="FILE",
                         help="your own prompt template, e.g. that of earlier runs: a text file "
                              "with {question} where the question goes (literal braces doubled); "
@@ -248,7 +248,7 @@ def main(argv: list[str] | None = None, loader: Loader | None = None) -> Path:
                         help="text the model's response starts with, e.g. '<think>': each prompt ends "
                              "with it as an unfinished assistant message, and the rewards read it as "
                              "the response's start (default: the template's own, '<think>' for "
-                             "example_think, else none)")
+                             "example_think and example2_think, else none)")
     parser.add_argument("--local-dir", default=None,
                         help="local copy of the FlashRAG dataset repository, "
                              "used instead of the hub")

@@ -50,6 +50,24 @@ _EXAMPLE = _INSTRUCT.removesuffix("Question: {question}\n") + (
     "Question: {question}\n"
 )
 
+# The same with two searches, the second made from what the first returned: the single-search
+# example is what the bundled model imitates, and a policy trained from it searched once on every
+# question, two-hop ones included (benchmarks/RESULTS.md, "The rl-only preset with Dr.GRPO
+# advantages"). The question asks for the languages, which no bundled question does, so the example
+# answers none of them.
+_EXAMPLE2 = _INSTRUCT.removesuffix("Question: {question}\n") + (
+    "Here is how a search goes, for another question:\n"
+    "<think> I need the country Tartu is in, then the languages of that country. </think>\n"
+    "<search> Tartu </search>\n"
+    "<information> Doc 1(Title: Tartu) Tartu is a university city in Estonia. </information>\n"
+    "<think> Tartu is in Estonia. Now I need the languages of Estonia. </think>\n"
+    "<search> Estonia </search>\n"
+    "<information> Doc 1(Title: Estonia) Languages spoken in Estonia include Estonian. </information>\n"
+    "<think> The passage says Estonian is spoken there. </think>\n"
+    "<answer> Estonian </answer>\n"
+    "Question: {question}\n"
+)
+
 # The tool-calling protocol: the chat template lists the search tool (verl.tools.chat), so the
 # prompt only says when to use it and how to answer.
 _TOOL = (
@@ -64,9 +82,10 @@ TOOL_SYSTEM = "You are a helpful assistant who answers questions with the help o
 
 # "base": raw text, no chat template applied; "instruct" and "example": wrapped by the tokenizer's chat template;
 # "tool": a system and a user message, rendered with the search tool by the chat template;
-# "example_think": "example", with the model's response begun by "<think>" (RESPONSE_PREFIXES).
+# "example_think": "example", with the model's response begun by "<think>" (RESPONSE_PREFIXES);
+# "example2" and "example2_think": the same with the two-search example.
 TEMPLATES: dict[str, str] = {"base": _BASE, "instruct": _INSTRUCT, "example": _EXAMPLE, "tool": _TOOL,
-                             "example_think": _EXAMPLE}
+                             "example_think": _EXAMPLE, "example2": _EXAMPLE2, "example2_think": _EXAMPLE2}
 
 # Text the response starts with, written into the rows as an unfinished assistant message that the
 # model continues (verl.utils.dataset.response_prefix); the rewards read it as part of the response.
@@ -74,7 +93,7 @@ TEMPLATES: dict[str, str] = {"base": _BASE, "instruct": _INSTRUCT, "example": _E
 # reward (and its retrieval term) requires: the bundled model, prompted with the worked example,
 # wrote no valid response in tens of thousands of samples; begun this way, almost half of its samples
 # close the block and go on, and about 2% are valid (benchmarks/RESULTS.md, "The rl-only preset again").
-RESPONSE_PREFIXES: dict[str, str] = {"example_think": "<think>"}
+RESPONSE_PREFIXES: dict[str, str] = {"example_think": "<think>", "example2_think": "<think>"}
 
 
 # Placeholder -> what it becomes; README's "Data" section documents the same list.

@@ -30,7 +30,7 @@ def local_files(tmp_path):
 
 
 def test_templates_carry_the_tags():
-    for name in ("base", "instruct", "example"):
+    for name in ("base", "instruct", "example", "example2"):
         text = make_prompt_text("Who painted the Mona Lisa", name)
         for tag in ("<think>", "</think>", "<search>", "</search>", "<information>",
                     "</information>", "<answer>", "</answer>"):
@@ -44,6 +44,13 @@ def test_templates_carry_the_tags():
     trajectory = example[example.index("<think>", example.index("another question")):example.index("Question:")]
     assert check_format(trajectory.strip()).valid
     assert "Tartu" not in bundled_paths()["corpus"].read_text(encoding="utf-8")
+    # the two-search one too, and its answer is none of the bundled questions' answers
+    example2 = make_prompt_text("Who painted the Mona Lisa", "example2")
+    trajectory = example2[example2.index("<think>", example2.index("another question")):example2.index("Question:")]
+    assert check_format(trajectory.strip()).valid and trajectory.count("<search>") == 2
+    answer = trajectory[trajectory.index("<answer>") + 8:trajectory.index("</answer>")].strip()
+    for split in ("train", "test"):
+        assert f'"{answer}"' not in bundled_paths()[split].read_text(encoding="utf-8")
     # the tool protocol: searches are tool calls the chat template teaches; think and answer stay tags
     system, user = make_prompt("Who painted the Mona Lisa", "tool")
     assert system["role"] == "system" and user["role"] == "user" and "search tool" in user["content"]
