@@ -52,9 +52,9 @@ _EXAMPLE = _INSTRUCT.removesuffix("Question: {question}\n") + (
 
 # The same with two searches, the second made from what the first returned: the single-search
 # example is what the bundled model imitates, and a policy trained from it searched once on every
-# question, two-hop ones included (benchmarks/RESULTS.md, "The rl-only preset with Dr.GRPO
-# advantages"). The question asks for the languages, which no bundled question does, so the example
-# answers none of them.
+# question, two-hop ones included (benchmarks/RESULTS.md, "The rl-only preset with the format paid
+# after a search"). The question asks for the languages, which no bundled question does, so the
+# example answers none of them.
 _EXAMPLE2 = _INSTRUCT.removesuffix("Question: {question}\n") + (
     "Here is how a search goes, for another question:\n"
     "<think> I need the country Tartu is in, then the languages of that country. </think>\n"
