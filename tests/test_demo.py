@@ -79,6 +79,13 @@ def test_presets_parse_and_small_is_an_alias():
     keys = dict(o.split("=", 1) for o in grpo_overrides(rl, Path("tr"), Path("te"), Path("m"), "u", Path("r")))
     assert (keys["reward.format_score"], keys["reward.final_format_score"], keys["reward.retrieval_score"],
             keys["reward.format_needs_search"]) == ("0.2", "0", "0.3", "true")
+    assert keys["algorithm.norm_adv_by_std_in_grpo"] == "false"   # Dr.GRPO advantages
+    # a template and trainer keys of one's own, the keys after the preset's (the trainer takes the last)
+    rl2 = parse_args(["--preset", "rl-only", "--template", "example2_think",
+                      "--grpo-key", "algorithm.norm_adv_by_std_in_grpo=true", "--grpo-key", "trainer.seed=3"])[1]
+    assert rl2.template == "example2_think" and rl2.turn_prefix == "<think>"
+    keys = dict(o.split("=", 1) for o in grpo_overrides(rl2, Path("tr"), Path("te"), Path("m"), "u", Path("r")))
+    assert keys["algorithm.norm_adv_by_std_in_grpo"] == "true" and keys["trainer.seed"] == "3"
     # the agent opens a "<think>" after each observation, in training (and, below, in evaluation)
     assert keys["actor_rollout_ref.rollout.agent_kwargs"] == "{turn_prefix: '<think>'}"
     from search_r1.cli import build_parser
@@ -87,7 +94,8 @@ def test_presets_parse_and_small_is_an_alias():
         args = build_parser().parse_args(["eval", *map(str, eval_args(Path("m"), Path("t"), "u", Path("o"), preset))])
         assert args.turn_prefix == expected
     for bad in (["--small", "--preset", "gpu"], ["--grpo-steps", "0"], ["--protocol", "json"],
-                ["--preset", "rl-only", "--protocol", "tools"]):
+                ["--preset", "rl-only", "--protocol", "tools"], ["--template", "tool"],
+                ["--template", "example", "--protocol", "tools"], ["--grpo-key", "trainer.seed"]):
         with pytest.raises(SystemExit):
             parse_args(bad)
 
