@@ -131,14 +131,14 @@ class PPOTrainer:
             metrics |= self.compute_advantages(batch)
         if self.critic is not None:
             with t("update_critic"):
-                metrics |= _mean_dicts(
+                metrics |= _merge_worker_metrics(
                     self.on_parts(self.critic, batch, lambda w, part: w.update_critic.remote(part), "critic update"),
                     prefix="critic/")
         # trainer.critic_warmup: the critic learns alone until then (self.step counts finished steps)
         actor_learns = self.step + 1 >= self.cfg.trainer.critic_warmup
         if actor_learns:
             with t("update_actor"):
-                metrics |= _mean_dicts(
+                metrics |= _merge_worker_metrics(
                     self.on_parts(self.policy, batch, lambda w, part: w.update_actor.remote(part), "actor update"))
         if self.ahead is not None:  # the engines keep the weights it was started with until it is done
             with t("rollout_ahead_wait"):
@@ -519,10 +519,12 @@ def is_last_step(step: int, total_steps: int, elapsed_s: float, limit_minutes: f
     return step >= total_steps or (limit_minutes is not None and elapsed_s >= 60 * limit_minutes)
 
 
-def _mean_dicts(dicts: list[dict], prefix: str = "") -> dict:
-    """The workers' metrics averaged over workers, under `prefix` + name."""
+def _merge_worker_metrics(dicts: list[dict], prefix: str = "") -> dict:
+    """The workers' metrics under `prefix` + name: averaged over workers, except peak memory
+    (`memory/…`), where the fullest worker is what meets the GPU's capacity."""
     keys = set().union(*dicts)
-    return {prefix + k: float(np.mean([d[k] for d in dicts if k in d])) for k in keys}
+    return {prefix + k: float((np.max if k.startswith("memory/") else np.mean)([d[k] for d in dicts if k in d]))
+            for k in keys}
 
 
 def _jsonable(x):
