@@ -118,8 +118,9 @@ PRESETS = {
 # On a GPU the policy then searched once with a query that found nothing and answered wrongly, for the
 # format's 0.2 again. GRPO's division by the group's reward spread makes a lone sample that breaks
 # the format weigh as much as a lone right answer; without it (Dr.GRPO advantages) a right answer
-# weighs four times more, and the policy left that plateau and learned the one-hop questions
-# (RESULTS.md, "The rl-only preset with the format paid after a search").
+# weighs four times more, and the policy left that plateau and learned the one-hop questions (the run
+# with the division was cut before the step where this one left it; RESULTS.md, "The rl-only preset
+# with the format paid after a search").
 PRESETS["rl-only"] = dataclasses.replace(
     PRESETS["gpu"], sft=False, template="example_think", grpo_minutes=15, turn_prefix="<think>",
     grpo_keys=("reward.format_score=0.2", "reward.final_format_score=0", "reward.retrieval_score=0.3",
