@@ -141,9 +141,10 @@ class ActorConfig:
     kl_loss_type: str = key("low_var_kl", "KL estimator of the loss term: kl (k1) | abs | mse (k2) | low_var_kl (k3)")
     state_masking: bool = key(True, "keep retrieved tokens (observations) out of the loss, entropy and KL; false: "
                                     "every response token counts")
-    max_tokens_per_pack: int = key(16384, "tokens per padding-free forward: a micro-batch's sequences are packed "
-                                          "into rows of at most this many (actor, reference and critic; on the CPU one "
-                                          "sequence a row)")
+    max_tokens_per_pack: int = key(16384, "tokens per padding-free forward where attention needs a mask (fp32, "
+                                          "no varlen kernel): a micro-batch's sequences are packed into rows of at "
+                                          "most this many (actor, reference and critic). On a GPU in bf16 a "
+                                          "micro-batch is one pack whatever its length; on the CPU one sequence a row")
     fsdp_config: FSDPConfig = key_factory(FSDPConfig, "FSDP2 sharding, offload and precision of the actor")
 
 
