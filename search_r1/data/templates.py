@@ -39,9 +39,12 @@ _BASE = (
 # The instruct template with one worked trajectory, for training from a model that has never seen
 # the format (reinforcement learning without a supervised warm start): a model that never writes the
 # tags earns no reward, so nothing can be learned from its samples. The example's city is not in the
-# bundled corpus, so it answers none of the bundled questions.
+# bundled corpus, so it answers none of the bundled questions. Its question is shown: without it, most
+# of the bundled model's rewarded samples searched for the example's city itself, which finds nothing
+# (benchmarks/RESULTS.md, "The rl-only preset with the format paid after a search").
 _EXAMPLE = _INSTRUCT.removesuffix("Question: {question}\n") + (
-    "Here is how a search goes, for another question:\n"
+    "Here is how a search goes, for another question.\n"
+    "Question: Which country is the city of Tartu in?\n"
     "<think> I need the country Tartu is in. </think>\n"
     "<search> Tartu </search>\n"
     "<information> Doc 1(Title: Tartu) Tartu is a university city in Estonia. </information>\n"
@@ -50,13 +53,13 @@ _EXAMPLE = _INSTRUCT.removesuffix("Question: {question}\n") + (
     "Question: {question}\n"
 )
 
-# The same with two searches, the second made from what the first returned: the single-search
-# example is what the bundled model imitates, and a policy trained from it searched once on every
-# question, two-hop ones included (benchmarks/RESULTS.md, "The rl-only preset with the format paid
-# after a search"). The question asks for the languages, which no bundled question does, so the
-# example answers none of them.
+# The same with two searches, the second made from what the first returned: the bundled model
+# imitates the example, and a policy trained from a one-search example searched once on every
+# question, two-hop ones included (same section). The question asks for the languages, which no
+# bundled question does, so the example answers none of them.
 _EXAMPLE2 = _INSTRUCT.removesuffix("Question: {question}\n") + (
-    "Here is how a search goes, for another question:\n"
+    "Here is how a search goes, for another question.\n"
+    "Question: Which languages are spoken in the country that Tartu is in?\n"
     "<think> I need the country Tartu is in, then the languages of that country. </think>\n"
     "<search> Tartu </search>\n"
     "<information> Doc 1(Title: Tartu) Tartu is a university city in Estonia. </information>\n"

@@ -41,12 +41,12 @@ def test_templates_carry_the_tags():
     from search_r1.data.bundled import bundled_paths
     from search_r1.rewards import check_format
     example = make_prompt_text("Who painted the Mona Lisa", "example")
-    trajectory = example[example.index("<think>", example.index("another question")):example.index("Question:")]
+    trajectory = example[example.index("<think>", example.index("another question")):example.rindex("Question:")]
     assert check_format(trajectory.strip()).valid
     assert "Tartu" not in bundled_paths()["corpus"].read_text(encoding="utf-8")
     # the two-search one too, and its answer is none of the bundled questions' answers
     example2 = make_prompt_text("Who painted the Mona Lisa", "example2")
-    trajectory = example2[example2.index("<think>", example2.index("another question")):example2.index("Question:")]
+    trajectory = example2[example2.index("<think>", example2.index("another question")):example2.rindex("Question:")]
     assert check_format(trajectory.strip()).valid and trajectory.count("<search>") == 2
     answer = trajectory[trajectory.index("<answer>") + 8:trajectory.index("</answer>")].strip()
     for split in ("train", "test"):
