@@ -15,10 +15,11 @@ Presets: `cpu` (the default) aims at < 20 minutes on 2 CPU cores; `small` (`--sm
 of the same path; `gpu` is the learning curve on one GPU: EM on all 375 test questions before and
 after, GRPO for as many steps as fit in `--grpo-minutes`, validated every 10 steps on 100 of them.
 `rl-only` is the `gpu` preset without stage 5: reinforcement learning alone from the bundled model,
-with the prompt that shows one worked search, the response begun with `<think>` (`--template
-example_think`) and a `<think>` opened after each observation (the agent's turn_prefix), and a
-reward for the valid format after a search and for retrieving the answer, and GRPO's advantages not
-divided by the group's reward spread (Dr.GRPO; benchmarks/RESULTS.md, "Reinforcement learning alone").
+with the prompt that shows a worked question and its search, the response begun with `<think>`
+(`--template example_think`) and a `<think>` opened after each observation (the agent's
+turn_prefix), a reward for the valid format after a search and for retrieving the answer, and
+GRPO's advantages not divided by the group's reward spread (Dr.GRPO; benchmarks/RESULTS.md,
+"Reinforcement learning alone").
 On CPU the GRPO stage is a smoke run of the RL path (a few steps cannot move EM); the `gpu` preset
 is the one that shows what GRPO does.
 
