@@ -13,8 +13,8 @@ unique in a file and can serve as the prompt's group id; the original restarted 
 source, which made ids collide when NQ and HotpotQA were trained on together.
 
 The template is one of ours (`--template base|instruct|example|example2|example_think|example2_think|tool`;
-`tool` writes verl's search-tool rows: a system message and `extra_info.tools_kwargs`, for the tool-calling protocol) or
-the user's (`--template-file FILE`, a format string with the placeholders of
+`tool` writes verl's search-tool rows: a system message and `extra_info.tools_kwargs`, for the
+tool-calling protocol) or the user's (`--template-file FILE`, a format string with the placeholders of
 `templates.PLACEHOLDERS`), so data can be rebuilt with the exact prompt of earlier runs; the trainer
 feeds the prompt as written. `--bundled-types` keeps only some of the bundled question types (a
 curriculum's first stage: the one-hop ones).

@@ -279,14 +279,16 @@ class PolicyWorker:
         return self.reference.compute_logprobs(batch).cpu()
 
     def update_actor(self, batch: RolloutBatch) -> dict:
-        if self.device != "cuda":
-            return self.actor.update(batch, self.sizes.mini_batch_trajectories_per_worker)
         # The update is where memory peaks (activations; the engine asleep): its peak is what decides
         # how many layers must be recomputed (gradient_checkpointing_ratio) and how large a micro-batch may be.
-        torch.cuda.reset_peak_memory_stats()
+        cuda = self.device == "cuda"
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
         metrics = self.actor.update(batch, self.sizes.mini_batch_trajectories_per_worker)
-        return metrics | {"memory/update_peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,
-                          "memory/update_peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30}
+        if cuda:
+            metrics |= {"memory/update_peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,
+                        "memory/update_peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30}
+        return metrics
 
     # -- checkpoints ---------------------------------------------------------------------------
 
