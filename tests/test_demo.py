@@ -68,7 +68,7 @@ def test_presets_parse_and_small_is_an_alias():
         assert derive_sizes(cfg).trajectories_per_step == preset.grpo_prompts * preset.grpo_n, name
         assert cfg.actor_rollout_ref.actor.optim.lr == preset.lr, name
     rl = parse_args(["--preset", "rl-only"])[1]
-    assert not rl.sft and rl.template == "example_think" and rl.grpo_minutes == 15
+    assert not rl.sft and rl.template == "example2_think" and rl.grpo_minutes == 15
     # its model continues a "<think>" the prompt ends with: the hint to ask it says so
     from search_r1.demo import next_steps
     hint = next_steps(Path("o"), [], Path("m"), Path("r"), "tags", rl.template)
@@ -81,9 +81,9 @@ def test_presets_parse_and_small_is_an_alias():
             keys["reward.format_needs_search"]) == ("0.2", "0", "0.3", "true")
     assert keys["algorithm.norm_adv_by_std_in_grpo"] == "false"   # Dr.GRPO advantages
     # a template and trainer keys of one's own, the keys after the preset's (the trainer takes the last)
-    rl2 = parse_args(["--preset", "rl-only", "--template", "example2_think",
+    rl2 = parse_args(["--preset", "rl-only", "--template", "example_think",
                       "--grpo-key", "algorithm.norm_adv_by_std_in_grpo=true", "--grpo-key", "trainer.seed=3"])[1]
-    assert rl2.template == "example2_think" and rl2.turn_prefix == "<think>"
+    assert rl2.template == "example_think" and rl2.turn_prefix == "<think>"
     keys = dict(o.split("=", 1) for o in grpo_overrides(rl2, Path("tr"), Path("te"), Path("m"), "u", Path("r")))
     assert keys["algorithm.norm_adv_by_std_in_grpo"] == "true" and keys["trainer.seed"] == "3"
     # the agent opens a "<think>" after each observation, in training (and, below, in evaluation)
