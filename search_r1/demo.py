@@ -421,8 +421,8 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, Preset]:
                    help="tags: Search-R1's <search>/<information>; tools: search tool calls through the chat "
                         "template (verl's multi_turn keys), in every stage")
     p.add_argument("--template", choices=sorted(set(TEMPLATES) - {"tool"}),
-                   help="the tags protocol's prompt template instead of the preset's (e.g. example2_think: "
-                        "a worked example with two searches)")
+                   help="the tags protocol's prompt template instead of the preset's (e.g. example_think: "
+                        "a worked example with one search)")
     p.add_argument("--grpo-key", action="append", default=[], metavar="KEY=VALUE",
                    help="a trainer key for the GRPO stage, after the preset's own (repeatable), e.g. "
                         "--grpo-key algorithm.norm_adv_by_std_in_grpo=true")
