@@ -24,7 +24,10 @@ free slot, in the order given. Runs that share a GPU keep their engine awake whi
 (`rollout.enable_sleep=false`: vLLM's sleep fails when another process allocates on the GPU
 meanwhile) and get a KV cache of fixed size (`--kv-gib`: sized from free memory, it came out empty
 for runs starting together), their evaluations too; they slow each other down: compare variants at
-equal steps, not equal minutes.
+equal steps, not equal minutes. A run that runs out of GPU memory beside others starts over once a
+neighbour has finished, and its GPU takes one run fewer from then on (twice at most a run).
+SIGTERM (e.g. from `timeout`) or Ctrl-C ends every run with its processes and still writes the table,
+results.json and compare.html from what the runs wrote.
 After training, each final model is evaluated greedily on every test question, with EM per
 question type and hop count.
 
@@ -41,6 +44,8 @@ import argparse
 import json
 import math
 import os
+import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -50,8 +55,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from search_r1.demo import MAX_OBS, MAX_TURNS, PRESETS, build_index, grpo_overrides, start_server, stop  # noqa: E402
+from search_r1.demo import MAX_OBS, MAX_TURNS, PRESETS, build_index, grpo_overrides, start_server  # noqa: E402
 
+
+
+MAX_RETRIES = 2   # times a run that ran out of GPU memory beside other runs is started again
 
 
 @dataclass
@@ -104,11 +112,57 @@ def merged(base: list[str], overrides: dict[str, str]) -> list[str]:
 
 
 def run_logged(cmd: list, log: Path, env: dict | None = None) -> subprocess.Popen:
+    """Start cmd in a session of its own (`stop` ends it with every process it started), output to log."""
     log.parent.mkdir(parents=True, exist_ok=True)
     out = open(log, "w")
     out.write("$ " + " ".join(map(str, cmd)) + "\n")
     out.flush()
-    return subprocess.Popen([str(c) for c in cmd], stdout=out, stderr=subprocess.STDOUT, env=env)
+    return subprocess.Popen([str(c) for c in cmd], stdout=out, stderr=subprocess.STDOUT, env=env,
+                            start_new_session=True)
+
+
+def ran_out_of_memory(log: Path) -> bool:
+    """Whether a failed run's log ends on the GPU running out of memory."""
+    if not log.exists():
+        return False
+    with open(log, "rb") as f:
+        f.seek(max(0, log.stat().st_size - 50_000))
+        tail = f.read().decode(errors="replace")
+    return "CUDA out of memory" in tail or "OutOfMemoryError" in tail
+
+
+def slots_after_oom(job: "Job", free: list[str], running: list["Job"], retries: dict[str, int]) -> int:
+    """A run that ran out of GPU memory beside other runs starts over when a neighbour has finished, and its
+    GPU keeps one slot fewer: the slots it keeps, or 0 where the failure stands (alone on its GPU, or
+    MAX_RETRIES tries already)."""
+    left = free.count(job.gpu) + sum(j.gpu == job.gpu for j in running)
+    return left if job.out_of_memory and retries.get(job.v.name, 0) < MAX_RETRIES else 0
+
+
+def stop_all(procs: list[subprocess.Popen]):
+    """End each process's session (the run's Ray and vLLM processes with it): SIGTERM to all, then SIGKILL."""
+    def signal_group(proc, sig):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            pass
+    for proc in procs:
+        signal_group(proc, signal.SIGTERM)
+    deadline = time.time() + 15
+    for proc in procs:
+        try:
+            proc.wait(max(0.0, deadline - time.time()))
+        except subprocess.TimeoutExpired:
+            signal_group(proc, signal.SIGKILL)
+            proc.wait()
+
+
+class Stopped(Exception):
+    """SIGTERM (e.g. from `timeout`): end the runs, then write what there is."""
+
+
+def _raise_stopped(signum, frame):
+    raise Stopped(signal.Signals(signum).name)
 
 
 def gpu_env(gpu: str) -> dict:
@@ -169,6 +223,7 @@ class Job:
                                self.dir / "train.log", gpu_env(gpu))
         self.evals = list(v.evals)
         self.phase = "train"
+        self.out_of_memory = False
 
     def poll(self) -> bool:
         """Advance; True when the job is finished (or failed)."""
@@ -176,6 +231,7 @@ class Job:
         if code is None:
             return False
         if code != 0:
+            self.out_of_memory = self.phase == "train" and ran_out_of_memory(self.dir / "train.log")
             self.phase = f"failed ({self.phase}, exit {code}; see {self.dir})"
             return True
         if not self.evals:
@@ -282,6 +338,10 @@ def main(argv=None) -> int:
     free, running, done = list(slots), [], []
     sft_model, sft_proc = out / "sft_model", None
     pending = list(variants)
+    order = {v.name: i for i, v in enumerate(variants)}
+    retries: dict[str, int] = {}
+    stopped = None
+    signal.signal(signal.SIGTERM, _raise_stopped)
     try:
         if any(v.start == "sft" for v in variants) and not (sft_model / "config.json").exists():
             gpu = free.pop(0)
@@ -298,6 +358,14 @@ def main(argv=None) -> int:
                 sft_proc = None
             for job in [j for j in running if j.poll()]:
                 running.remove(job)
+                left = slots_after_oom(job, free, running, retries)
+                if left:
+                    retries[job.v.name] = retries.get(job.v.name, 0) + 1
+                    shutil.rmtree(job.dir)
+                    pending = sorted(pending + [job.v], key=lambda v: order[v.name])
+                    print(f"[{(time.time() - t0) / 60:5.1f} min] {job.v.name}: out of GPU memory beside other runs; "
+                          f"GPU {job.gpu} now takes {left} at once, the run waits its turn", flush=True)
+                    continue
                 free.append(job.gpu)
                 done.append(summarize(job.v, job.dir, job.phase))
                 print(f"[{(time.time() - t0) / 60:5.1f} min] {job.v.name}: {job.phase}", flush=True)
@@ -313,11 +381,15 @@ def main(argv=None) -> int:
                 print(f"[{(time.time() - t0) / 60:5.1f} min] {v.name}: started", flush=True)
                 time.sleep(5)   # engines start one after another on a shared GPU
             time.sleep(5)
+    except (Stopped, KeyboardInterrupt) as e:
+        stopped = str(e) or "interrupted"
+        print(f"[{(time.time() - t0) / 60:5.1f} min] stopped ({stopped}): {len(running)} runs unfinished, "
+              f"{len(pending)} not started; the table has what they wrote", flush=True)
+        done += [summarize(j.v, j.dir, f"stopped ({j.phase})") for j in running]
+        done += [summarize(v, out / v.name, "not started") for v in pending]
     finally:
-        for job in running:
-            job.proc.kill()
-        stop(server)
-    order = {v.name: i for i, v in enumerate(variants)}
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)   # a second signal must not cut the clean-up short
+        stop_all([j.proc for j in running] + ([sft_proc[1]] if sft_proc else []) + [server])
     done.sort(key=lambda r: order[r["variant"]])
     (out / "results.json").write_text(json.dumps(done, indent=1))
     from search_r1.report import write_comparison
@@ -325,8 +397,8 @@ def main(argv=None) -> int:
     if runs:
         print(f"curves side by side: {write_comparison(runs, out / 'compare.html')}")
     print(table(done), flush=True)
-    print(f"\nall done in {(time.time() - t0) / 60:.1f} min", flush=True)
-    return 0
+    print(f"\n{'stopped' if stopped else 'all done'} after {(time.time() - t0) / 60:.1f} min", flush=True)
+    return 1 if stopped else 0
 
 
 if __name__ == "__main__":

@@ -110,3 +110,70 @@ def test_the_summary_keeps_the_two_hop_searches_of_each_validation(tmp_path):
     assert out["curve"] == [{"step": 0, "val_em": 0.4, "two_hop_searches": 1.7},
                             {"step": 2, "val_em": 0.5, "two_hop_searches": 1.0}]
     assert out["steps"] == 2 and out["minutes"] == 1.0
+
+
+def test_a_run_that_ran_out_of_gpu_memory_is_told_from_other_failures(tmp_path):
+    from bench_learning import ran_out_of_memory
+    oom, other = tmp_path / "oom.log", tmp_path / "other.log"
+    oom.write_text("x" * 60_000 + "\ntorch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB.\n")
+    other.write_text("ValueError: data.train_files: no such file\n")
+    assert ran_out_of_memory(oom) and not ran_out_of_memory(other)
+    assert not ran_out_of_memory(tmp_path / "missing.log")
+
+
+def test_a_run_out_of_memory_beside_others_waits_and_its_gpu_keeps_one_slot_fewer():
+    from types import SimpleNamespace
+
+    from bench_learning import MAX_RETRIES, slots_after_oom
+
+    def job(gpu, oom=False, name="r"):   # the scheduler reads only these fields of a run
+        return SimpleNamespace(gpu=gpu, out_of_memory=oom, v=SimpleNamespace(name=name))
+    failed = job("0", oom=True)
+    running = [job("0"), job("0"), job("1")]
+    assert slots_after_oom(failed, ["1"], running, {}) == 2            # two runs still on GPU 0
+    assert slots_after_oom(failed, ["0"], [job("1")], {}) == 1         # a free slot of GPU 0 counts
+    assert slots_after_oom(failed, ["1"], [job("1")], {}) == 0         # alone on its GPU: the failure stands
+    assert slots_after_oom(failed, [], running, {"r": MAX_RETRIES}) == 0
+    assert slots_after_oom(job("0", oom=False), [], running, {}) == 0  # not a memory failure
+
+
+@pytest.mark.e2e
+def test_sigterm_ends_the_runs_and_the_server_and_still_writes_the_table(tmp_path):
+    """A real run on the CPU (the bundled model, the BM25 server), stopped as `timeout` stops it."""
+    import json
+    import os
+    import re
+    import signal
+    import socket
+    import subprocess
+    import time
+    root = Path(__file__).resolve().parents[2]
+    out = tmp_path / "abl"
+    proc = subprocess.Popen([sys.executable, str(root / "benchmarks" / "bench_learning.py"), "--out", str(out),
+                             "--variant", "x start=base eval=none"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=root)
+    lines, deadline = [], time.time() + 300
+    for line in proc.stdout:
+        lines.append(line)
+        if "x: started" in line or time.time() > deadline:
+            break
+    assert "x: started" in lines[-1], "".join(lines[-20:])
+    time.sleep(5)                     # the trainer is up
+    proc.send_signal(signal.SIGTERM)
+    rest, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 1, rest[-3000:]
+    assert "stopped (SIGTERM): 1 runs unfinished" in rest and "| x | base |" in rest
+    rows = json.loads((out / "results.json").read_text())
+    assert [(r["variant"], r["status"]) for r in rows] == [("x", "stopped (train)")]
+    port = int(re.search(r"127\.0\.0\.1:(\d+)", (out / "logs" / "retrieval_server.log").read_text()).group(1))
+    with pytest.raises(OSError):
+        socket.create_connection(("127.0.0.1", port), timeout=2).close()
+    left = []                         # no process of the run (trainer, Ray, engine) outlives it
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if str(out) in cmdline:
+            left.append(cmdline[:200])
+    assert not left, left
