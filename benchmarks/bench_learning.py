@@ -36,7 +36,9 @@ Writes DIR/<variant>/ (the run: metrics.jsonl, samples, eval_*), DIR/results.jso
 Markdown table: steps, minutes, final EM ± s.e., EM and searches per question by hops and type, and,
 from the first 10 steps, what the reward signal looked like (share of groups with all-equal rewards,
 answer rate, searches per trajectory), and the searches per two-hop question at the first and last
-validation.
+validation. Variants named SETTING-s1, SETTING-s2, … (e.g. `trainer.seed=2 data.seed=2` each) are seeds
+of one setting: a second table gives each setting's final EM as mean ± standard error over its seeds
+and the same-seed difference from the first setting.
 """
 from __future__ import annotations
 
@@ -306,6 +308,34 @@ def table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def seed_table(results: list[dict]) -> str:
+    """Variants named SETTING-sN are seeds of one setting: final EM (search mode) as mean ± standard
+    error over its seeds, and the same-seed difference from the first setting. "" when no setting
+    has two seeds with an EM."""
+    import re
+    from statistics import mean, stdev
+
+    settings: dict[str, dict[str, float]] = {}
+    for r in results:
+        m = re.fullmatch(r"(.+)-s(\d+)", r["variant"])
+        if m and r.get("eval_search"):
+            settings.setdefault(m[1], {})[m[2]] = r["eval_search"]["em"]
+    if not any(len(ems) > 1 for ems in settings.values()):
+        return ""
+
+    def mean_se(xs: list[float]) -> str:
+        return f"{mean(xs):.3f} ± {stdev(xs) / math.sqrt(len(xs)):.3f}" if len(xs) > 1 else f"{xs[0]:.3f}"
+    first, base = next(iter(settings.items()))
+    lines = [f"| setting | seeds | final EM, mean ± s.e. | same seed, minus {first} |", "|---|---|---:|---|"]
+    for name, ems in settings.items():
+        seeds = sorted(ems, key=int)
+        diffs = [ems[s] - base[s] for s in seeds if s in base]
+        versus = "–" if name == first or not diffs else \
+            f"{mean_se(diffs)} ({', '.join(f'{d:+.3f}' for d in diffs)})"
+        lines.append(f"| {name} | {', '.join(seeds)} | {mean_se([ems[s] for s in seeds])} | {versus} |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", required=True)
@@ -397,6 +427,8 @@ def main(argv=None) -> int:
     if runs:
         print(f"curves side by side: {write_comparison(runs, out / 'compare.html')}")
     print(table(done), flush=True)
+    if by_setting := seed_table(done):
+        print("\n" + by_setting, flush=True)
     print(f"\n{'stopped' if stopped else 'all done'} after {(time.time() - t0) / 60:.1f} min", flush=True)
     return 1 if stopped else 0
 

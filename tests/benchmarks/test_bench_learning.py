@@ -177,3 +177,19 @@ def test_sigterm_ends_the_runs_and_the_server_and_still_writes_the_table(tmp_pat
         if str(out) in cmdline:
             left.append(cmdline[:200])
     assert not left, left
+
+
+def test_seeds_of_a_setting_give_its_mean_and_standard_error_and_the_same_seed_differences():
+    from bench_learning import seed_table
+
+    def run(name, em):
+        return {"variant": name, "eval_search": {"em": em}} if em is not None else {"variant": name}
+    results = [run("on-s1", 0.9), run("off-s1", 0.4), run("on-s2", 0.6), run("off-s2", 0.4),
+               run("on-s3", 0.6), run("off-s3", 0.7), run("off-s4", None), run("other", 0.5)]
+    lines = seed_table(results).splitlines()
+    assert lines[0] == "| setting | seeds | final EM, mean ± s.e. | same seed, minus on |"
+    assert lines[2] == "| on | 1, 2, 3 | 0.700 ± 0.100 | – |"
+    # off: 0.4, 0.4, 0.7 → 0.5 ± 0.1; differences −0.5, −0.2, +0.1 → −0.2 ± 0.173
+    assert lines[3] == "| off | 1, 2, 3 | 0.500 ± 0.100 | -0.200 ± 0.173 (-0.500, -0.200, +0.100) |"
+    assert len(lines) == 4                      # "other" has no seeds; off-s4 has no EM
+    assert seed_table([run("a-s1", 0.5), run("b", 0.4)]) == ""
