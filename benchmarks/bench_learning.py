@@ -46,6 +46,7 @@ import argparse
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -53,13 +54,12 @@ import sys
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from statistics import mean, stdev
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from search_r1.demo import MAX_OBS, MAX_TURNS, PRESETS, build_index, grpo_overrides, start_server  # noqa: E402
-
-
 
 MAX_RETRIES = 2   # times a run that ran out of GPU memory beside other runs is started again
 
@@ -114,7 +114,7 @@ def merged(base: list[str], overrides: dict[str, str]) -> list[str]:
 
 
 def run_logged(cmd: list, log: Path, env: dict | None = None) -> subprocess.Popen:
-    """Start cmd in a session of its own (`stop` ends it with every process it started), output to log."""
+    """Start cmd in a session of its own (`stop_all` ends it with every process it started), output to log."""
     log.parent.mkdir(parents=True, exist_ok=True)
     out = open(log, "w")
     out.write("$ " + " ".join(map(str, cmd)) + "\n")
@@ -312,9 +312,6 @@ def seed_table(results: list[dict]) -> str:
     """Variants named SETTING-sN are seeds of one setting: final EM (search mode) as mean ± standard
     error over its seeds, and the same-seed difference from the first setting. "" when no setting
     has two seeds with an EM."""
-    import re
-    from statistics import mean, stdev
-
     settings: dict[str, dict[str, float]] = {}
     for r in results:
         m = re.fullmatch(r"(.+)-s(\d+)", r["variant"])
@@ -388,6 +385,7 @@ def main(argv=None) -> int:
                 sft_proc = None
             for job in [j for j in running if j.poll()]:
                 running.remove(job)
+                stop_all([job.proc])   # what its trainer left behind (Ray, the engine) holds GPU memory
                 left = slots_after_oom(job, free, running, retries)
                 if left:
                     retries[job.v.name] = retries.get(job.v.name, 0) + 1
