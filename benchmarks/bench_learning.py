@@ -46,7 +46,6 @@ import argparse
 import json
 import math
 import os
-import re
 import shutil
 import signal
 import subprocess
@@ -54,7 +53,6 @@ import sys
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from statistics import mean, stdev
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -312,16 +310,15 @@ def seed_table(results: list[dict]) -> str:
     """Variants named SETTING-sN are seeds of one setting: final EM (search mode) as mean ± standard
     error over its seeds, and the same-seed difference from the first setting. "" when no setting
     has two seeds with an EM."""
+    from search_r1.report import mean_se, setting_and_seed
+
     settings: dict[str, dict[str, float]] = {}
     for r in results:
-        m = re.fullmatch(r"(.+)-s(\d+)", r["variant"])
-        if m and r.get("eval_search"):
-            settings.setdefault(m[1], {})[m[2]] = r["eval_search"]["em"]
+        setting, seed = setting_and_seed(r["variant"])
+        if seed and r.get("eval_search"):
+            settings.setdefault(setting, {})[seed] = r["eval_search"]["em"]
     if not any(len(ems) > 1 for ems in settings.values()):
         return ""
-
-    def mean_se(xs: list[float]) -> str:
-        return f"{mean(xs):.3f} ± {stdev(xs) / math.sqrt(len(xs)):.3f}" if len(xs) > 1 else f"{xs[0]:.3f}"
     first, base = next(iter(settings.items()))
     lines = [f"| setting | seeds | final EM, mean ± s.e. | same seed, minus {first} |", "|---|---|---:|---|"]
     for name, ems in settings.items():

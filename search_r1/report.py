@@ -61,7 +61,8 @@ COMPARE = [("Validation EM", "val/reward/em"), ("Training reward (sampled)", "re
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser("report", help="write an HTML report of a training run, or compare several")
     p.add_argument("run_dir", nargs="+", help="the trainer's output directory (trainer.default_local_dir); several: "
-                   "their curves side by side")
+                   "their curves side by side (directories named SETTING-s1, SETTING-s2, …: seeds of one "
+                   "setting, drawn in one colour, with the setting's mean ± standard error)")
     p.add_argument("--out", help="HTML file to write (default: RUN_DIR/report.html; for several runs, compare.html "
                                  "in the first one's parent directory)")
     p.set_defaults(func=_cli)
@@ -95,7 +96,9 @@ def write_report(run_dir, out=None) -> Path:
 
 def write_comparison(run_dirs, out=None) -> Path:
     """One page with the runs' curves side by side (each run's name is its directory's) and a table
-    of where each ended; the default `out` is compare.html next to the first run."""
+    of where each ended; runs named SETTING-s1, SETTING-s2, … are seeds of one setting: one colour, and
+    a table of the setting's mean ± standard error. The default `out` is compare.html next to the
+    first run."""
     runs = {}
     for d in map(Path, run_dirs):
         if not (d / "metrics.jsonl").is_file():
@@ -103,7 +106,10 @@ def write_comparison(run_dirs, out=None) -> Path:
         runs[d.name] = (d, read_metrics(d / "metrics.jsonl"))
     if len(runs) < len(run_dirs):
         raise ValueError("two of the runs have the same directory name: the comparison names runs by it")
-    colours = dict(zip(runs, _cycle(PALETTE)))
+    settings = {name: setting_and_seed(name)[0] for name in runs}
+    grouped = len(set(settings.values())) < len(runs)   # seeds of one setting share its colour
+    setting_colours = dict(zip(dict.fromkeys(settings.values()), _cycle(PALETTE)))
+    colours = {name: setting_colours[settings[name]] for name in runs} if grouped else dict(zip(runs, _cycle(PALETTE)))
     rows = ["<tr><th>run</th><th>steps</th><th>validation EM: first → last (best)</th><th>final evaluation EM</th>"
             "<th>rollbacks</th></tr>"]
     for name, (d, metrics) in runs.items():
@@ -123,14 +129,56 @@ def write_comparison(run_dirs, out=None) -> Path:
         if lines:
             figures.append(f"<figure><figcaption>{escape(title)} <code>{escape(key)}</code></figcaption>"
                            f"{line_chart(lines, colours=colours)}</figure>")
-    legend = _legend([(name, colours[name]) for name in runs])
+    if grouped:
+        seeds = {setting: [n for n in runs if settings[n] == setting] for setting in setting_colours}
+        legend = _legend([(f"{setting} ({len(names)} runs)" if len(names) > 1 else setting, setting_colours[setting])
+                          for setting, names in seeds.items()])
+    else:
+        legend = _legend([(name, colours[name]) for name in runs])
+    by_setting = _settings_table(runs, settings) if grouped else ""
     page = (f"<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\"><title>Search-R1: "
             f"{len(runs)} runs compared</title><style>{CSS}</style></head>\n<body>\n<header><h1>{len(runs)} runs "
             f"compared</h1></header>\n<section><h2>Where each run ended</h2><table>{''.join(rows)}</table></section>\n"
+            f"{by_setting}"
             f'<section><h2>Curves</h2>{legend}<div class="grid">{"".join(figures)}</div></section>\n</body></html>\n')
     out = Path(out) if out else Path(run_dirs[0]).resolve().parent / "compare.html"
     out.write_text(page, encoding="utf-8")
     return out
+
+
+def setting_and_seed(run_name: str) -> tuple[str, str | None]:
+    """Runs named SETTING-s1, SETTING-s2, … are seeds of SETTING; any other name is a setting of its own."""
+    m = re.fullmatch(r"(.+)-s(\d+)", run_name)
+    return (m[1], m[2]) if m else (run_name, None)
+
+
+def mean_se(values: list[float]) -> str:
+    """Mean ± standard error of the mean ("0.739 ± 0.103"); a single value as it is."""
+    if len(values) < 2:
+        return f"{values[0]:.3f}"
+    mean = sum(values) / len(values)
+    sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1))
+    return f"{mean:.3f} ± {sd / math.sqrt(len(values)):.3f}"
+
+
+def _settings_table(runs: dict, settings: dict[str, str]) -> str:
+    """Seeds of a setting together: their last validation EM and final evaluation EM, mean ± s.e."""
+    rows = ["<tr><th>setting</th><th>runs</th><th>last validation EM</th><th>final evaluation EM</th></tr>"]
+    for setting in dict.fromkeys(settings.values()):
+        names = [n for n in runs if settings[n] == setting]
+        last_val, final = [], []
+        for name in names:
+            d, metrics = runs[name]
+            if val := series(metrics, "val/reward/em"):
+                last_val.append(val[-1][1])
+            evaluation, _ = _read_json(d / "eval" / "eval_search.json")
+            if isinstance(evaluation, dict) and "macro" in evaluation:
+                final.append(float(evaluation["macro"]["em"]))
+        rows.append(f"<tr><td>{escape(setting)}</td><td class=\"num\">{len(names)}</td>"
+                    f"<td class=\"num\">{mean_se(last_val) if last_val else '–'} ({len(last_val)})</td>"
+                    f"<td class=\"num\">{mean_se(final) if final else '–'} ({len(final)})</td></tr>")
+    return (f"<section><h2>By setting (runs named SETTING-sN are its seeds; mean ± standard error)</h2>"
+            f"<table>{''.join(rows)}</table></section>\n")
 
 
 # -- reading ---------------------------------------------------------------------------------------

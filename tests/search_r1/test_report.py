@@ -259,6 +259,32 @@ def test_several_runs_are_compared_side_by_side(tmp_path, capsys):
         report.write_comparison([first, first])
 
 
+
+def test_seeds_of_a_setting_share_a_colour_and_a_row_of_mean_and_standard_error(tmp_path):
+    def run(name, val, final):
+        d = tmp_path / name
+        (d / "eval").mkdir(parents=True)
+        rows = [{"step": 0, "val/reward/em": 0.4}, {"step": 1, "reward/mean": 0.2}, {"step": 2, "val/reward/em": val}]
+        (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        (d / "eval" / "eval_search.json").write_text(json.dumps({"n": 375, "macro": {"em": final}}))
+        return d
+    dirs = [run("on-s1", 0.9, 0.9), run("off-s1", 0.4, 0.4), run("on-s2", 0.7, 0.6), run("on-s3", 0.5, 0.6)]
+    out = report.write_comparison(dirs, tmp_path / "c.html")
+    tags = parse(out.read_text())
+    stroke = {}
+    for t, a in tags.tags:
+        if t == "polyline":
+            stroke.setdefault(a["data-key"], set()).add(a["stroke"])
+    assert stroke["on-s1"] == stroke["on-s2"] == stroke["on-s3"] != stroke["off-s1"]
+    html = out.read_text()
+    # on: validation 0.9, 0.7, 0.5 → 0.700 ± 0.115; final 0.9, 0.6, 0.6 → 0.700 ± 0.100
+    assert '<td>on</td><td class="num">3</td><td class="num">0.700 ± 0.115 (3)</td><td class="num">0.700 ± 0.100 (3)</td>' in html
+    assert '<td>off</td><td class="num">1</td><td class="num">0.400 (1)</td>' in html
+    assert "on (3 runs)" in html
+    assert report.setting_and_seed("top1-s12") == ("top1", "12") and report.setting_and_seed("ppo") == ("ppo", None)
+    plain = report.write_comparison(dirs[:2][::-1][:1] + [run("other", 0.5, 0.5)], tmp_path / "p.html").read_text()
+    assert "By setting" not in plain      # no setting with two runs: the page as before
+
 # -- a real browser ----------------------------------------------------------------------------------
 
 def read_png(path: Path) -> np.ndarray:
