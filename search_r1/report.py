@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import statistics
 import time
 from html import escape
 from pathlib import Path
@@ -107,9 +108,9 @@ def write_comparison(run_dirs, out=None) -> Path:
     if len(runs) < len(run_dirs):
         raise ValueError("two of the runs have the same directory name: the comparison names runs by it")
     settings = {name: setting_and_seed(name)[0] for name in runs}
-    grouped = len(set(settings.values())) < len(runs)   # seeds of one setting share its colour
-    setting_colours = dict(zip(dict.fromkeys(settings.values()), _cycle(PALETTE)))
-    colours = {name: setting_colours[settings[name]] for name in runs} if grouped else dict(zip(runs, _cycle(PALETTE)))
+    by_setting = {setting: [n for n in runs if settings[n] == setting] for setting in dict.fromkeys(settings.values())}
+    setting_colours = dict(zip(by_setting, _cycle(PALETTE)))   # seeds of one setting share its colour
+    colours = {name: setting_colours[settings[name]] for name in runs}
     rows = ["<tr><th>run</th><th>steps</th><th>validation EM: first → last (best)</th><th>final evaluation EM</th>"
             "<th>rollbacks</th></tr>"]
     for name, (d, metrics) in runs.items():
@@ -129,17 +130,13 @@ def write_comparison(run_dirs, out=None) -> Path:
         if lines:
             figures.append(f"<figure><figcaption>{escape(title)} <code>{escape(key)}</code></figcaption>"
                            f"{line_chart(lines, colours=colours)}</figure>")
-    if grouped:
-        seeds = {setting: [n for n in runs if settings[n] == setting] for setting in setting_colours}
-        legend = _legend([(f"{setting} ({len(names)} runs)" if len(names) > 1 else setting, setting_colours[setting])
-                          for setting, names in seeds.items()])
-    else:
-        legend = _legend([(name, colours[name]) for name in runs])
-    by_setting = _settings_table(runs, settings) if grouped else ""
+    legend = _legend([(f"{setting} ({len(names)} runs)" if len(names) > 1 else names[0], setting_colours[setting])
+                      for setting, names in by_setting.items()])
+    settings_table = _settings_table(runs, by_setting) if len(by_setting) < len(runs) else ""
     page = (f"<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\"><title>Search-R1: "
             f"{len(runs)} runs compared</title><style>{CSS}</style></head>\n<body>\n<header><h1>{len(runs)} runs "
             f"compared</h1></header>\n<section><h2>Where each run ended</h2><table>{''.join(rows)}</table></section>\n"
-            f"{by_setting}"
+            f"{settings_table}"
             f'<section><h2>Curves</h2>{legend}<div class="grid">{"".join(figures)}</div></section>\n</body></html>\n')
     out = Path(out) if out else Path(run_dirs[0]).resolve().parent / "compare.html"
     out.write_text(page, encoding="utf-8")
@@ -156,16 +153,13 @@ def mean_se(values: list[float]) -> str:
     """Mean ± standard error of the mean ("0.739 ± 0.103"); a single value as it is."""
     if len(values) < 2:
         return f"{values[0]:.3f}"
-    mean = sum(values) / len(values)
-    sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1))
-    return f"{mean:.3f} ± {sd / math.sqrt(len(values)):.3f}"
+    return f"{statistics.mean(values):.3f} ± {statistics.stdev(values) / math.sqrt(len(values)):.3f}"
 
 
-def _settings_table(runs: dict, settings: dict[str, str]) -> str:
+def _settings_table(runs: dict, by_setting: dict[str, list[str]]) -> str:
     """Seeds of a setting together: their last validation EM and final evaluation EM, mean ± s.e."""
     rows = ["<tr><th>setting</th><th>runs</th><th>last validation EM</th><th>final evaluation EM</th></tr>"]
-    for setting in dict.fromkeys(settings.values()):
-        names = [n for n in runs if settings[n] == setting]
+    for setting, names in by_setting.items():
         last_val, final = [], []
         for name in names:
             d, metrics = runs[name]
