@@ -161,7 +161,7 @@ class Stopped(Exception):
     """SIGTERM (e.g. from `timeout`): end the runs, then write what there is."""
 
 
-def _raise_stopped(signum, frame):
+def raise_stopped(signum, frame):
     raise Stopped(signal.Signals(signum).name)
 
 
@@ -365,7 +365,7 @@ def main(argv=None) -> int:
     order = {v.name: i for i, v in enumerate(variants)}
     retries: dict[str, int] = {}
     stopped = None
-    signal.signal(signal.SIGTERM, _raise_stopped)
+    signal.signal(signal.SIGTERM, raise_stopped)
     try:
         if any(v.start == "sft" for v in variants) and not (sft_model / "config.json").exists():
             gpu = free.pop(0)

@@ -23,7 +23,10 @@ before calling a change to a GPU path done. Parts:
                   answering concurrent requests
 
 On a node with several GPUs the parts run side by side, each on GPUs of its own; logs are written
-to `<out>/<part>.log`. The exit status is non-zero when any part failed.
+to `<out>/<part>.log`. The exit status is non-zero when any part failed. Every part gets a verdict:
+one that runs past `--part-timeout` fails with its log's last line, and SIGTERM or Ctrl-C (a
+wrapper's `timeout`) stops the running parts, each in a process session of its own, and fails them
+and the parts not started.
 """
 from __future__ import annotations
 
@@ -31,7 +34,9 @@ import argparse
 import json
 import os
 import subprocess
+import signal
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -41,8 +46,11 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "benchmarks")]
+from bench_learning import Stopped, raise_stopped, stop_all  # noqa: E402 - ending a part's process session
 PY = sys.executable
 EVAL_QUESTIONS = 40
+LIVE: set[subprocess.Popen] = set()   # the parts' commands running now, each in a session of its own
+LOCK, STOPPING = threading.Lock(), threading.Event()
 
 
 @dataclass
@@ -177,14 +185,26 @@ def query_dense_server(enc: Path, index: Path, corpus, log: Path) -> None:
 
 # -- running ---------------------------------------------------------------------------------------
 
-def run_part(part: Part, devices: list[int], out: Path) -> tuple[str, bool, float, str]:
+def last_line(log: Path) -> str:
+    """The log's last non-empty line (progress bars' carriage returns split lines too), for a verdict."""
+    with open(log, "rb") as f:
+        f.seek(max(0, log.stat().st_size - 20_000))
+        lines = [ln.strip() for ln in f.read().decode(errors="replace").replace("\r", "\n").splitlines()]
+    return next((ln for ln in reversed(lines) if ln), "")[:200]
+
+
+def run_part(part: Part, devices: list[int], out: Path,
+             timeout: float | None = None) -> tuple[str, bool, float, str]:
+    """Run a part's commands on `devices`; past `timeout` seconds its process session (engines and
+    Ray with it) is ended and the part fails, naming the last line its log reached."""
     # `devices` index the GPUs this script sees, which CUDA_VISIBLE_DEVICES may already narrow
     visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")
     names = [visible[d] if visible[0] else str(d) for d in devices]
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(names),
            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     start, error = time.perf_counter(), None
-    with open(out / f"{part.name}.log", "w") as log:
+    log_path = out / f"{part.name}.log"
+    with open(log_path, "w") as log:
         for cmd in part.commands:
             if callable(cmd):
                 try:
@@ -194,9 +214,22 @@ def run_part(part: Part, devices: list[int], out: Path) -> tuple[str, bool, floa
             else:
                 log.write("$ " + " ".join(cmd) + "\n")
                 log.flush()
-                r = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-                if r.returncode:
-                    error = f"exit {r.returncode}"
+                with LOCK:   # a SIGTERM now either sees this process in LIVE or stops it starting
+                    if STOPPING.is_set():
+                        error = "stopped"
+                        break
+                    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                            start_new_session=True)
+                    LIVE.add(proc)
+                left = None if timeout is None else max(1.0, start + timeout - time.perf_counter())
+                try:
+                    if proc.wait(left):
+                        error = f"exit {proc.returncode}"
+                except subprocess.TimeoutExpired:
+                    stop_all([proc])
+                    error = f"timed out after {timeout:.0f} s; its log ended on: {last_line(log_path)}"
+                finally:
+                    LIVE.discard(proc)
             if error:
                 break
     if error is None and part.check is not None:
@@ -204,14 +237,57 @@ def run_part(part: Part, devices: list[int], out: Path) -> tuple[str, bool, floa
     return part.name, error is None, time.perf_counter() - start, error or ""
 
 
+def run_all(todo: list[Part], gpu_count: int, lanes: int, out: Path, timeout: float | None) -> list[bool]:
+    """Start every part whose GPUs are free, print each verdict as it comes. On SIGTERM or Ctrl-C the
+    running parts are stopped and fail, and the parts not yet started fail: every part gets its line."""
+    free, results, pending, running = list(range(gpu_count)), [], list(todo), {}
+
+    def verdict(name, ok, seconds, error):
+        results.append(ok)
+        print(f"{'PASS' if ok else 'FAIL'}  {name:<15} {seconds:6.0f} s  {error}", flush=True)
+
+    with ThreadPoolExecutor(lanes) as pool:
+        try:
+            while pending or running:
+                for part in list(pending):
+                    need = min(part.gpus, gpu_count)
+                    if len(free) >= need and len(running) < lanes:
+                        devices, free[:] = free[:need], free[need:]
+                        running[pool.submit(run_part, part, devices, out, timeout)] = devices
+                        pending.remove(part)
+                        print(f"start {part.name} on GPU {','.join(map(str, devices))}", flush=True)
+                done = next((f for f in running if f.done()), None)
+                if done is None:
+                    time.sleep(0.5)
+                    continue
+                free.extend(running.pop(done))
+                free.sort()
+                verdict(*done.result())
+        except (Stopped, KeyboardInterrupt) as e:
+            why = f"stopped ({e or 'SIGINT'})"
+            with LOCK:
+                STOPPING.set()
+                stop_all(list(LIVE))
+            for f in running:
+                name, _, seconds, _ = f.result()
+                verdict(name, False, seconds, f"{why}; its log ended on: {last_line(out / f'{name}.log')}")
+            for part in pending:
+                verdict(part.name, False, 0, f"{why}: not started")
+    return results
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="outputs/gpu_smoke")
     p.add_argument("--only", help="comma-separated part names")
     p.add_argument("--sequential", action="store_true", help="one part at a time, on the first GPUs")
+    p.add_argument("--part-timeout", type=float, default=900,
+                   help="seconds a part may run before it is stopped and fails (its log's last line is "
+                        "printed), so that a slow part still gets a verdict; 0: no limit")
     p.add_argument("--tokenizer", default=os.environ.get("SMOKE_BERT_TOKENIZER", "all-MiniLM-L6-v2"),
                    help="a BERT-vocabulary tokenizer (dir or bundled name) for the dense server's random encoder")
     a = p.parse_args(argv)
+    a.part_timeout = a.part_timeout or None
     import torch
     if not torch.cuda.is_available():
         print("FAIL  setup: no CUDA device visible")
@@ -228,30 +304,9 @@ def main(argv=None) -> int:
     if a.only:
         names = a.only.split(",")
         todo = [part for part in todo if part.name in names]
-    free = list(range(gpu_count))
-    results = []
+    signal.signal(signal.SIGTERM, raise_stopped)
     try:
-        lanes = 1 if a.sequential else max(1, gpu_count)
-        with ThreadPoolExecutor(lanes) as pool:
-            pending = list(todo)
-            running = {}
-            while pending or running:
-                # Start every part whose GPUs are free; otherwise wait for one to finish.
-                for part in list(pending):
-                    need = min(part.gpus, gpu_count)
-                    if len(free) >= need and len(running) < lanes:
-                        devices, free[:] = free[:need], free[need:]
-                        running[pool.submit(run_part, part, devices, out)] = devices
-                        pending.remove(part)
-                done = next((f for f in running if f.done()), None)
-                if done is None:
-                    time.sleep(0.5)
-                    continue
-                free.extend(running.pop(done))
-                free.sort()
-                name, ok, seconds, error = done.result()
-                results.append(ok)
-                print(f"{'PASS' if ok else 'FAIL'}  {name:<15} {seconds:6.0f} s  {error}", flush=True)
+        results = run_all(todo, gpu_count, 1 if a.sequential else max(1, gpu_count), out, a.part_timeout)
     finally:
         bm25.stop()
     passed = sum(results)
