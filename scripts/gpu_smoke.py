@@ -33,8 +33,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import signal
+import subprocess
 import sys
 import threading
 import time
