@@ -287,7 +287,6 @@ def main(argv=None) -> int:
     p.add_argument("--tokenizer", default=os.environ.get("SMOKE_BERT_TOKENIZER", "all-MiniLM-L6-v2"),
                    help="a BERT-vocabulary tokenizer (dir or bundled name) for the dense server's random encoder")
     a = p.parse_args(argv)
-    a.part_timeout = a.part_timeout or None
     import torch
     if not torch.cuda.is_available():
         print("FAIL  setup: no CUDA device visible")
@@ -306,7 +305,8 @@ def main(argv=None) -> int:
         todo = [part for part in todo if part.name in names]
     signal.signal(signal.SIGTERM, raise_stopped)
     try:
-        results = run_all(todo, gpu_count, 1 if a.sequential else max(1, gpu_count), out, a.part_timeout)
+        results = run_all(todo, gpu_count, 1 if a.sequential else max(1, gpu_count), out,
+                          a.part_timeout or None)
     finally:
         bm25.stop()
     passed = sum(results)
