@@ -81,3 +81,12 @@ def test_a_failed_sleep_on_a_shared_gpu_says_why_and_what_to_do():
     assert "another process on the same GPU" in str(error) and "actor_rollout_ref.rollout.enable_sleep=false" in str(error)
     other = ValueError("something else")
     assert shared_gpu_error(other) is other
+
+
+def test_cached_memory_is_given_back_after_an_update_unless_the_rollout_runs_beside_it():
+    from verl.single_controller.roles import release_cached_memory
+    cfg = TrainerConfig()
+    # On the CPU there is nothing cached; the metric is still reported (GPU figures: test_roles_gpu.py).
+    assert release_cached_memory(cfg) == {"memory/after_update_reserved_gib": 0.0}
+    cfg.trainer.overlap_rollout = True
+    assert release_cached_memory(cfg) == {}

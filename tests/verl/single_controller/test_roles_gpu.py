@@ -1,0 +1,41 @@
+"""The workers' GPU memory after an update, on CUDA (skipped without it)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from verl.single_controller.roles import release_cached_memory
+from verl.trainer.config import TrainerConfig
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+MIB = 1 << 20
+
+
+def _leave_cached(mib: int) -> int:
+    """Allocate and free `mib` MiB: PyTorch keeps the block cached. Returns what is reserved then."""
+    block = torch.empty(mib * MIB, dtype=torch.uint8, device="cuda")
+    del block
+    torch.cuda.synchronize()
+    return torch.cuda.memory_reserved()
+
+
+def test_an_updates_cache_goes_back_to_the_gpu():
+    kept = torch.ones(MIB, device="cuda")  # something the worker still holds
+    reserved = _leave_cached(512)
+    free_before = torch.cuda.mem_get_info()[0]
+    metrics = release_cached_memory(TrainerConfig())
+    after = metrics["memory/after_update_reserved_gib"] * 2**30
+    assert after == torch.cuda.memory_reserved()
+    assert reserved - after >= 512 * MIB
+    assert torch.cuda.mem_get_info()[0] - free_before >= 512 * MIB  # other processes can have it
+    assert kept.sum().item() == MIB  # live tensors are untouched
+
+
+def test_with_the_rollout_beside_the_update_the_cache_stays():
+    cfg = TrainerConfig()
+    cfg.trainer.overlap_rollout = True
+    reserved = _leave_cached(256)
+    assert release_cached_memory(cfg) == {}
+    assert torch.cuda.memory_reserved() == reserved
+    torch.cuda.empty_cache()
