@@ -75,14 +75,14 @@ def agent_schedule(rollout, device: str) -> str:
     return "continuous" if rollout.name == "vllm" and device == "cuda" else "sync"
 
 
-def release_cached_memory(cfg) -> dict:
+def release_cached_memory(overlap_rollout: bool) -> dict:
     """After an update, give the blocks PyTorch's allocator keeps cached back to the GPU, so that
     what comes next on it can use them: the engine waking up, or, without sleep mode, other
     processes sharing the GPU (the cache of an update's peak would otherwise be held through the
     whole rollout). Not while the next rollout runs beside training (trainer.overlap_rollout): it
     allocates meanwhile, and the update would pay for its blocks again at every step for nothing.
     Returns the memory this process still holds, as a metric."""
-    if cfg.trainer.overlap_rollout:
+    if overlap_rollout:
         return {}
     torch.cuda.empty_cache()
     return {"memory/after_update_reserved_gib": torch.cuda.memory_reserved() / 2**30}
@@ -301,7 +301,7 @@ class PolicyWorker:
         if cuda:
             metrics |= {"memory/update_peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,
                         "memory/update_peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30}
-            metrics |= release_cached_memory(self.cfg)
+            metrics |= release_cached_memory(self.cfg.trainer.overlap_rollout)
         return metrics
 
     # -- checkpoints ---------------------------------------------------------------------------
@@ -345,7 +345,7 @@ class CriticWorker:
     def update_critic(self, batch: RolloutBatch) -> dict:
         metrics = self.critic.update(batch, self.sizes.mini_batch_trajectories_per_worker)
         if self.device == "cuda":
-            metrics |= release_cached_memory(self.cfg)
+            metrics |= release_cached_memory(self.cfg.trainer.overlap_rollout)
         return metrics
 
     def save(self, root: str, step: int, trainer_state: dict, keep_last: int) -> None:

@@ -5,7 +5,6 @@ import pytest
 import torch
 
 from verl.single_controller.roles import release_cached_memory
-from verl.trainer.config import TrainerConfig
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -24,7 +23,7 @@ def test_an_updates_cache_goes_back_to_the_gpu():
     kept = torch.ones(MIB, device="cuda")  # something the worker still holds
     reserved = _leave_cached(512)
     free_before = torch.cuda.mem_get_info()[0]
-    metrics = release_cached_memory(TrainerConfig())
+    metrics = release_cached_memory(overlap_rollout=False)
     after = metrics["memory/after_update_reserved_gib"] * 2**30
     assert after == torch.cuda.memory_reserved()
     assert reserved - after >= 512 * MIB
@@ -33,9 +32,7 @@ def test_an_updates_cache_goes_back_to_the_gpu():
 
 
 def test_with_the_rollout_beside_the_update_the_cache_stays():
-    cfg = TrainerConfig()
-    cfg.trainer.overlap_rollout = True
     reserved = _leave_cached(256)
-    assert release_cached_memory(cfg) == {}
+    assert release_cached_memory(overlap_rollout=True) == {}
     assert torch.cuda.memory_reserved() == reserved
     torch.cuda.empty_cache()
