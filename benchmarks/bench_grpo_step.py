@@ -159,7 +159,7 @@ def main(argv=None):
                                                  "throughput/train_tokens_per_s", "throughput/mfu_actor_update",
                                                  "rollout_is_mean", "rollout_is_kl", "rollout_is_truncated")
                   if k in row},
-               **{k: round(v, 2) for k, v in row.items() if k.startswith("memory/")}}
+               **{k: round(v, 2) for k, v in row.items() if k.startswith(("memory/", "critic/memory/"))}}
         emit_row(out, a.out)
     print(f"wall {time.perf_counter() - t:.0f} s")
 
