@@ -285,7 +285,8 @@ def main(argv=None) -> int:
                    help="seconds a part may run before it is stopped and fails (its log's last line is "
                         "printed), so that a slow part still gets a verdict; 0: no limit")
     p.add_argument("--tokenizer", default=os.environ.get("SMOKE_BERT_TOKENIZER", "all-MiniLM-L6-v2"),
-                   help="a BERT-vocabulary tokenizer (dir or bundled name) for the dense server's random encoder")
+                   help="a BERT-vocabulary tokenizer (dir or bundled name) for the random encoders of the dense "
+                        "server and of the GPU tests")
     a = p.parse_args(argv)
     import torch
     if not torch.cuda.is_available():
@@ -299,7 +300,9 @@ def main(argv=None) -> int:
     gpu_count = torch.cuda.device_count()
     print(f"GPU smoke on {gpu_count} × {torch.cuda.get_device_name(0)}; logs in {out}", flush=True)
     t0 = time.perf_counter()
-    todo, bm25 = parts(out, gpu_count, resolve_model(a.tokenizer))
+    tokenizer = resolve_model(a.tokenizer)
+    os.environ["SMOKE_BERT_TOKENIZER"] = tokenizer  # read by the encoder's GPU tests
+    todo, bm25 = parts(out, gpu_count, tokenizer)
     if a.only:
         names = a.only.split(",")
         todo = [part for part in todo if part.name in names]

@@ -1,5 +1,8 @@
 """The encoder's forward replayed from CUDA graphs gives the eager encoder's vectors (a random
-BERT with MiniLM's tokenizer: only the tokenizer files of the bundled model are needed)."""
+BERT with a BERT-vocabulary tokenizer: `SMOKE_BERT_TOKENIZER`, as the GPU smoke passes it, or the
+bundled MiniLM's)."""
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -21,7 +24,7 @@ def queries(n, seed):
 def bert_dir(tmp_path_factory):
     from transformers import AutoTokenizer, BertConfig, BertModel
     out = tmp_path_factory.mktemp("bert")
-    tok = AutoTokenizer.from_pretrained(resolve_model("all-MiniLM-L6-v2"))
+    tok = AutoTokenizer.from_pretrained(os.environ.get("SMOKE_BERT_TOKENIZER") or resolve_model("all-MiniLM-L6-v2"))
     torch.manual_seed(0)
     BertModel(BertConfig(vocab_size=tok.vocab_size, hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
                          intermediate_size=1024)).save_pretrained(out)
