@@ -155,7 +155,20 @@ def rollout_logprobs_BR(trajectories, width: int, loop_cls) -> torch.Tensor:
     return out_BR
 
 
-class PolicyWorker:
+class ProfiledWorker:
+    """What the driver calls around a step of trainer.profile_steps (verl.utils.profiling)."""
+    profiler = None
+
+    def start_profile(self) -> None:
+        from verl.utils.profiling import StepProfiler
+        self.profiler = StepProfiler()
+        self.profiler.start()
+
+    def stop_profile(self, path_prefix: str) -> list[str]:
+        return self.profiler.stop(path_prefix)
+
+
+class PolicyWorker(ProfiledWorker):
     def __init__(self, rank: int, cfg: TrainerConfig, sizes: Sizes, total_steps: int, device: str):
         self.rank, self.cfg, self.sizes, self.total_steps, self.device = rank, cfg, sizes, total_steps, device
 
@@ -322,7 +335,7 @@ class PolicyWorker:
         self.actor.set_lr_scale(scale)
 
 
-class CriticWorker:
+class CriticWorker(ProfiledWorker):
     def __init__(self, rank: int, cfg: TrainerConfig, sizes: Sizes, total_steps: int, device: str):
         self.rank, self.cfg, self.sizes, self.total_steps, self.device = rank, cfg, sizes, total_steps, device
 

@@ -417,6 +417,11 @@ class RunConfig:
                                        "weights (actor.rollout_is_cap) from the engine's log-probs. The engine "
                                        "stays awake while the actor trains (no sleep mode): leave room with "
                                        "rollout.gpu_memory_utilization. Off: every step is on-policy")
+    profile_steps: list | None = key_factory(list, "training steps (1 = the first) recorded by torch.profiler in "
+                                             "every worker: each writes <default_local_dir>/profile/"
+                                             "step<N>_<role><rank>.json.gz (a Chrome trace of its CPU operators and "
+                                             "GPU kernels) and .txt (operators by device time); those steps run "
+                                             "slower for it. [] or null: none")
     balance_batch: bool = key(True, "several workers: reorder each step's trajectories so that every worker gets "
                                     "the same number and nearly the same number of tokens (verl's key); the "
                                     "update's result does not depend on the split")
@@ -586,6 +591,10 @@ def _check_ranges(cfg: TrainerConfig) -> None:
     if cfg.actor_rollout_ref.actor.rollout_is_cap < 1.0:
         raise ConfigError(f"actor_rollout_ref.actor.rollout_is_cap={cfg.actor_rollout_ref.actor.rollout_is_cap}: "
                           "importance weights are truncated at a value of at least 1 (default 2)")
+    cfg.trainer.profile_steps = cfg.trainer.profile_steps or []
+    bad = [s for s in cfg.trainer.profile_steps if not isinstance(s, int) or s < 1]
+    if bad:
+        raise ConfigError(f"trainer.profile_steps={cfg.trainer.profile_steps}: list training steps, counted from 1")
     health = cfg.trainer.health
     if health.action not in ("warn", "stop", "rollback"):
         raise ConfigError(f"trainer.health.action={health.action!r}: use warn, stop or rollback")

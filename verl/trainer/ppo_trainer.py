@@ -462,6 +462,21 @@ class PPOTrainer:
                     what, target, self.lr_scale, self.health.rollbacks, h.max_rollbacks)
         return True
 
+    def profile(self, action: str) -> None:
+        """Start or stop every worker's profiler around the step being run (trainer.profile_steps).
+        In one process (trainer.single_process) the policy's profiler sees the critic's work too."""
+        groups = [self.policy]
+        if self.critic is not None and not self.cfg.trainer.single_process:
+            groups.append(self.critic)
+        for group in groups:
+            if action == "start":
+                group.get([w.start_profile.remote() for w in group.workers], "profiler start", self.step)
+            else:
+                prefix = os.path.join(self.out_dir, "profile", f"step{self.step + 1}_{group.name}")
+                files = group.get([w.stop_profile.remote(f"{prefix}{rank}") for rank, w in enumerate(group.workers)],
+                                  "profiler stop", self.step)
+                log.info("step %d profiled: %s", self.step + 1, ", ".join(f for fs in files for f in fs))
+
     def fit(self):
         from tqdm import tqdm
 
@@ -485,7 +500,12 @@ class PPOTrainer:
                 with open(os.path.join(self.out_dir, "data_order.jsonl"), "a") as f:  # for audits of resume
                     f.write(json.dumps({"step": self.step + 1, "indices": [e.index for e in examples]}) + "\n")
                 t = time.perf_counter()
+                profiled = self.step + 1 in run.profile_steps
+                if profiled:
+                    self.profile("start")
                 metrics = self.train_step(examples)
+                if profiled:
+                    self.profile("stop")
                 self.step += 1
                 if run.health.action != "rollback":
                     self.stop_if_not_finite(metrics)

@@ -20,6 +20,16 @@ def test_gradient_checkpointing_ratio_in_range(key):
         load_config(OmegaConf.merge(OmegaConf.load(CONFIG), OmegaConf.from_dotlist(base + [f"{key}=1.5"])))
 
 
+def test_profile_steps_count_from_one():
+    def config(steps):
+        base = ["data.train_files=t.parquet", "actor_rollout_ref.model.path=m", f"trainer.profile_steps={steps}"]
+        return load_config(OmegaConf.merge(OmegaConf.load(CONFIG), OmegaConf.from_dotlist(base)))
+    assert config("[1,3]").trainer.profile_steps == [1, 3]
+    assert config("null").trainer.profile_steps == []   # verl's default
+    with pytest.raises(ConfigError, match="trainer.profile_steps"):
+        config("[0]")
+
+
 def test_logit_bias_takes_token_ids_from_the_command_line():
     from hydra import compose, initialize_config_dir
     base = ["data.train_files=t.parquet", "actor_rollout_ref.model.path=m"]

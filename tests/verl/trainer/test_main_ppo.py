@@ -3,6 +3,7 @@ the vLLM CPU engine colocated with the FSDP2 actor in 2 Ray worker processes, th
 against a real BM25 retrieval server over the bundled corpus. Two GRPO steps with a checkpoint
 each, a resumed run that continues from the saved step with the same data order, and one PPO
 step with a critic."""
+import gzip
 import json
 import os
 import subprocess
@@ -138,9 +139,20 @@ def test_ppo_with_critic_warmup(tiny_model_dir, bundled_data, bm25_server, tmp_p
         "actor_rollout_ref.actor.ppo_mini_batch_size=2", "trainer.total_training_steps=2",
         "trainer.critic_warmup=2",
         "trainer.val_before_train=false", "actor_rollout_ref.actor.fsdp_config.unsharded_accumulation=true",
-        "critic.model.fsdp_config.unsharded_accumulation=true"]
+        "critic.model.fsdp_config.unsharded_accumulation=true", "trainer.profile_steps=[2]"]
     rows, _ = train(ppo, tmp_path / "ppo")
     first, second = [r for r in rows if r["step"] > 0]
+    # step 2 recorded by every worker's profiler: the actor's and the critic's updates, with FSDP's
+    # collectives, in its trace
+    profile = tmp_path / "ppo" / "profile"
+    assert sorted(p.name for p in profile.iterdir()) == [
+        f"step2_{role}{rank}{ext}" for role in ("critic", "policy") for rank in (0, 1) for ext in (".json.gz", ".txt")]
+    for role in ("critic", "policy"):
+        events = json.loads(gzip.open(profile / f"step2_{role}0.json.gz").read())["traceEvents"]
+        names = {e.get("name", "") for e in events}
+        assert "Optimizer.step#AdamW.step" in names and any(n.startswith("FSDP::all_gather") for n in names)
+        assert any("Backward0" in n for n in names)
+        assert "aten::" in (profile / f"step2_{role}0.txt").read_text()
     assert "timing_s/update_critic" in first and first["critic/vf_loss"] > 0 and "critic/grad_norm" in first and "timing_s/update_actor" not in first
     assert "timing_s/update_actor" in second and second["grad_norm"] > 0
     assert "timing_s/old_log_probs" in second   # the KL in the reward reads them: the separate pass runs
@@ -165,9 +177,12 @@ def test_grpo_with_the_hf_rollout_engine(tiny_model_dir, bundled_data, bm25_serv
         "algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.name=hf", "trainer.single_process=true",
         "trainer.n_gpus_per_node=1", "trainer.total_training_steps=2", "trainer.val_before_train=false",
         "actor_rollout_ref.actor.ppo_mini_batch_size=2", "actor_rollout_ref.actor.use_kl_loss=true",
-        "algorithm.use_kl_in_reward=false"]
+        "algorithm.use_kl_in_reward=false", "trainer.profile_steps=[1]"]
     rows, _ = train(args, tmp_path / "hf")
     assert [r["step"] for r in rows] == [1, 2]
+    # one process: the policy's profiler records the step
+    assert sorted(p.name for p in (tmp_path / "hf" / "profile").iterdir()) == ["step1_policy0.json.gz",
+                                                                                "step1_policy0.txt"]
     assert all(r["grad_norm"] > 0 and "timing_s/weight_sync" in r for r in rows)
     assert all("timing_s/old_log_probs" not in r for r in rows)
 
