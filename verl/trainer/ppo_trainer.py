@@ -499,17 +499,17 @@ class PPOTrainer:
                 examples = self.ahead.examples if self.ahead is not None else self.sampler.next_batch()
                 with open(os.path.join(self.out_dir, "data_order.jsonl"), "a") as f:  # for audits of resume
                     f.write(json.dumps({"step": self.step + 1, "indices": [e.index for e in examples]}) + "\n")
-                t = time.perf_counter()
                 profiled = self.step + 1 in run.profile_steps
                 if profiled:
                     self.profile("start")
+                t = time.perf_counter()
                 metrics = self.train_step(examples)
+                metrics["timing_s/step"] = time.perf_counter() - t   # the traces' writing left out
                 if profiled:
                     self.profile("stop")
                 self.step += 1
                 if run.health.action != "rollback":
                     self.stop_if_not_finite(metrics)
-                metrics["timing_s/step"] = time.perf_counter() - t
                 metrics["data/epoch"] = self.sampler.epoch
                 elapsed_s = time.perf_counter() - start
                 last = is_last_step(self.step, self.total_steps, elapsed_s, run.time_limit_minutes)
