@@ -15,6 +15,7 @@ import torch
 
 from verl.batch import RolloutBatch, pack_trajectories
 from verl.trainer.config import Sizes, TrainerConfig, agent_loop_spec
+from verl.utils.profiling import phase
 from verl.workers.rollout.agent_loop import AgentLoopSettings
 
 log = logging.getLogger(__name__)
@@ -240,6 +241,7 @@ class PolicyWorker(ProfiledWorker):
                 self.engine.wake()
             self._asleep = False
 
+    @phase
     def generate(self, prompts: list[list[int]], group_ids: list[int], temperature: float,
                  top_p: float, max_tokens: int, seed: int | None = None, logprobs: bool = False) -> RolloutBatch:
         """The agent loop over `prompts`; `seed` (the step's, for this worker) makes its samples the
@@ -265,6 +267,7 @@ class PolicyWorker(ProfiledWorker):
                       "loss_mask": [list(t.loss_mask) for t in trajectories]}
         return batch
 
+    @phase
     def generate_ahead(self, *args) -> None:
         """Start `generate(*args)` in a thread of this process and return at once: the next step's
         rollout runs while this step trains (trainer.overlap_rollout). `take_ahead` returns it."""
@@ -279,6 +282,7 @@ class PolicyWorker(ProfiledWorker):
         future, self._ahead = self._ahead, None
         return future.result()
 
+    @phase
     def sync_weights(self) -> float:
         """Push the actor's current weights into the rollout engine, in memory."""
         from verl.workers.distributed import full_state_dict_iter
@@ -298,12 +302,15 @@ class PolicyWorker(ProfiledWorker):
 
     # -- training ------------------------------------------------------------------------------
 
+    @phase
     def compute_log_probs(self, batch: RolloutBatch) -> torch.Tensor:
         return self.actor.compute_logprobs(batch).cpu()
 
+    @phase
     def compute_ref_log_probs(self, batch: RolloutBatch) -> torch.Tensor:
         return self.reference.compute_logprobs(batch).cpu()
 
+    @phase
     def update_actor(self, batch: RolloutBatch) -> dict:
         # The update is where memory peaks (activations; the engine asleep): its peak is what decides
         # how many layers must be recomputed (gradient_checkpointing_ratio) and how large a micro-batch may be.
@@ -352,9 +359,11 @@ class CriticWorker(ProfiledWorker):
         self.critic = Critic(c, cfg.actor_rollout_ref.actor, micro_batch_size=self.sizes.critic_micro_trajectories_per_worker,
                              total_steps=self.total_steps, seed=cfg.trainer.seed)
 
+    @phase
     def compute_values(self, batch: RolloutBatch) -> torch.Tensor:
         return self.critic.compute_values(batch).cpu()
 
+    @phase
     def update_critic(self, batch: RolloutBatch) -> dict:
         metrics = self.critic.update(batch, self.sizes.mini_batch_trajectories_per_worker)
         if self.device == "cuda":

@@ -420,8 +420,9 @@ class RunConfig:
     profile_steps: list | None = key_factory(list, "training steps (1 = the first) recorded by torch.profiler in "
                                              "every worker: each writes <default_local_dir>/profile/"
                                              "step<N>_<role><rank>.json.gz (a Chrome trace of its CPU operators and "
-                                             "GPU kernels) and .txt (operators by device time); those steps run "
-                                             "slower for it. [] or null: none")
+                                             "GPU kernels) and .txt (on a GPU, how each worker call split into "
+                                             "compute, communication alone and idle; then operators by device "
+                                             "time); those steps run slower for it. [] or null: none")
     balance_batch: bool = key(True, "several workers: reorder each step's trajectories so that every worker gets "
                                     "the same number and nearly the same number of tokens (verl's key); the "
                                     "update's result does not depend on the split")

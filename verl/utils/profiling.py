@@ -4,13 +4,18 @@ The driver starts every worker's profiler before such a step and stops it after;
 writes two files under `<default_local_dir>/profile/`, named `step<N>_<role><rank>`:
 - `.json.gz`: the Chrome trace (open it in Perfetto or chrome://tracing): CPU operators of the
   process and, on a GPU, every kernel, copy and NCCL collective it launched, on one timeline;
-- `.txt`: operators by their own time on the device (on the CPU: by their own CPU time).
+- `.txt`: first, for each worker call of the step (the methods marked with `phase`: rollout,
+  log-prob passes, updates, weight sync), how its wall time splits on the GPU: compute (any kernel
+  or copy but a collective running), communication not hidden behind compute (only NCCL kernels
+  running), and idle; then operators by their own time on the device (on the CPU: CPU time).
 Only the worker's own process is seen: with `rollout.engine_core=separate` the engine's kernels run
 in another process and show up as the waits of the rollout.
 """
 from __future__ import annotations
 
+import functools
 import gzip
+import json
 import os
 import shutil
 
@@ -18,6 +23,56 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 TABLE_ROWS = 60
+PHASE_PREFIX = "worker."
+DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+def phase(method):
+    """Mark a worker method as a range `worker.<name>` in profiles (next to free without a profiler)."""
+    name = PHASE_PREFIX + method.__name__
+
+    @functools.wraps(method)
+    def marked(*args, **kwargs):
+        with torch.profiler.record_function(name):
+            return method(*args, **kwargs)
+    return marked
+
+
+def _covered(intervals: list[tuple[float, float]]) -> float:
+    """Length of the union of [start, end) intervals."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
+
+
+def gpu_time_by_phase(events: list[dict]) -> list[dict]:
+    """For each `phase` range in a Chrome trace's events: its wall time and how the GPU spent it
+    (seconds): compute, communication alone (NCCL kernels with nothing else running), idle."""
+    device = [(e["ts"], e["ts"] + e["dur"], e["name"].lower().startswith("nccl"))
+              for e in events if e.get("cat") in DEVICE_CATEGORIES and "dur" in e]
+    rows = []
+    for p in events:
+        if p.get("cat") != "user_annotation" or not p.get("name", "").startswith(PHASE_PREFIX):
+            continue
+        lo, hi = p["ts"], p["ts"] + p["dur"]
+        inside = [(max(s, lo), min(e, hi), nccl) for s, e, nccl in device if e > lo and s < hi]
+        busy = _covered([(s, e) for s, e, _ in inside])
+        compute = _covered([(s, e) for s, e, nccl in inside if not nccl])
+        rows.append({"phase": p["name"].removeprefix(PHASE_PREFIX), "wall_s": (hi - lo) / 1e6,
+                     "compute_s": compute / 1e6, "comm_alone_s": (busy - compute) / 1e6,
+                     "idle_s": (hi - lo - busy) / 1e6})
+    return rows
+
+
+def phase_table(rows: list[dict]) -> str:
+    lines = [f"{'worker call':<24}{'wall s':>10}{'compute s':>12}{'comm alone s':>14}{'idle s':>10}"]
+    for r in rows:
+        lines.append(f"{r['phase']:<24}{r['wall_s']:>10.3f}{r['compute_s']:>12.3f}{r['comm_alone_s']:>14.3f}"
+                     f"{r['idle_s']:>10.3f}")
+    return "\n".join(lines)
 
 
 class StepProfiler:
@@ -40,10 +95,17 @@ class StepProfiler:
         os.makedirs(os.path.dirname(path_prefix) or ".", exist_ok=True)
         trace, table = path_prefix + ".json.gz", path_prefix + ".txt"
         prof.export_chrome_trace(path_prefix + ".json")
-        with open(path_prefix + ".json", "rb") as src, gzip.open(trace, "wb") as dst:
-            shutil.copyfileobj(src, dst)
+        with open(path_prefix + ".json", "rb") as src:
+            events = json.load(src)["traceEvents"]
+            src.seek(0)
+            with gzip.open(trace, "wb") as dst:
+                shutil.copyfileobj(src, dst)
         os.remove(path_prefix + ".json")
-        sort = "self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+        cuda = torch.cuda.is_available()
+        sort = "self_device_time_total" if cuda else "self_cpu_time_total"
         with open(table, "w") as f:
+            if cuda:
+                f.write("How the GPU spent each worker call (this process's kernels only)\n"
+                        + phase_table(gpu_time_by_phase(events)) + "\n\n")
             f.write(prof.key_averages().table(sort_by=sort, row_limit=TABLE_ROWS) + "\n")
         return [trace, table]

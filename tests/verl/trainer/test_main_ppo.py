@@ -147,11 +147,11 @@ def test_ppo_with_critic_warmup(tiny_model_dir, bundled_data, bm25_server, tmp_p
     profile = tmp_path / "ppo" / "profile"
     assert sorted(p.name for p in profile.iterdir()) == [
         f"step2_{role}{rank}{ext}" for role in ("critic", "policy") for rank in (0, 1) for ext in (".json.gz", ".txt")]
-    for role in ("critic", "policy"):
+    for role, update in (("critic", "worker.update_critic"), ("policy", "worker.update_actor")):
         events = json.loads(gzip.open(profile / f"step2_{role}0.json.gz").read())["traceEvents"]
         names = {e.get("name", "") for e in events}
         assert "Optimizer.step#AdamW.step" in names and any(n.startswith("FSDP::all_gather") for n in names)
-        assert any("Backward0" in n for n in names)
+        assert any("Backward0" in n for n in names) and update in names
         assert "aten::" in (profile / f"step2_{role}0.txt").read_text()
     assert "timing_s/update_critic" in first and first["critic/vf_loss"] > 0 and "critic/grad_norm" in first and "timing_s/update_actor" not in first
     assert "timing_s/update_actor" in second and second["grad_norm"] > 0
