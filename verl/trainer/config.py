@@ -464,6 +464,7 @@ def load_config(raw) -> TrainerConfig:
         cfg = OmegaConf.to_object(merged)
     except Exception as e:  # OmegaConf names the key and the expected type
         raise ConfigError(f"invalid trainer config: {e}") from None
+    cfg.trainer.profile_steps = cfg.trainer.profile_steps or []   # verl's default is null
     _check_ranges(cfg)
     _check_original_keys(cfg)
     if cfg.retriever.api_key is None:
@@ -592,7 +593,6 @@ def _check_ranges(cfg: TrainerConfig) -> None:
     if cfg.actor_rollout_ref.actor.rollout_is_cap < 1.0:
         raise ConfigError(f"actor_rollout_ref.actor.rollout_is_cap={cfg.actor_rollout_ref.actor.rollout_is_cap}: "
                           "importance weights are truncated at a value of at least 1 (default 2)")
-    cfg.trainer.profile_steps = cfg.trainer.profile_steps or []
     bad = [s for s in cfg.trainer.profile_steps if not isinstance(s, int) or s < 1]
     if bad:
         raise ConfigError(f"trainer.profile_steps={cfg.trainer.profile_steps}: list training steps, counted from 1")

@@ -95,13 +95,13 @@ class StepProfiler:
         os.makedirs(os.path.dirname(path_prefix) or ".", exist_ok=True)
         trace, table = path_prefix + ".json.gz", path_prefix + ".txt"
         prof.export_chrome_trace(path_prefix + ".json")
+        cuda = torch.cuda.is_available()
         with open(path_prefix + ".json", "rb") as src:
-            events = json.load(src)["traceEvents"]
+            events = json.load(src)["traceEvents"] if cuda else []   # the split needs GPU kernels
             src.seek(0)
             with gzip.open(trace, "wb") as dst:
                 shutil.copyfileobj(src, dst)
         os.remove(path_prefix + ".json")
-        cuda = torch.cuda.is_available()
         sort = "self_device_time_total" if cuda else "self_cpu_time_total"
         with open(table, "w") as f:
             if cuda:
