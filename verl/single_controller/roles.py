@@ -173,6 +173,20 @@ class PolicyWorker(ProfiledWorker):
     def __init__(self, rank: int, cfg: TrainerConfig, sizes: Sizes, total_steps: int, device: str):
         self.rank, self.cfg, self.sizes, self.total_steps, self.device = rank, cfg, sizes, total_steps, device
 
+    def start_profile(self) -> None:
+        super().start_profile()
+        if self._engine_profiled:
+            self.engine.start_profile()
+
+    def stop_profile(self, path_prefix: str) -> list[str]:
+        engine = self.engine.stop_profile(path_prefix + "_engine") if self._engine_profiled else []
+        return self.profiler.stop(path_prefix, engine_trace=engine[0] if engine else None) + engine
+
+    @property
+    def _engine_profiled(self) -> bool:
+        """Whether vLLM's own profiler records the engine (its core in a process of its own)."""
+        return bool(getattr(self.engine, "profile_dir", None))
+
     def rendezvous(self) -> tuple[str, int]:
         return rendezvous()
 
@@ -205,6 +219,9 @@ class PolicyWorker(ProfiledWorker):
                            enforce_eager=rollout.enforce_eager,
                            tensor_parallel_size=rollout.tensor_model_parallel_size, separate_core=separate,
                            **vllm_engine_kwargs(rollout, self.sizes.world, separate, self.device))
+            if cfg.trainer.profile_steps and separate:  # in process, this process's profiler sees the engine
+                vllm_kw["profile_dir"] = os.path.join(cfg.trainer.default_local_dir, "profile",
+                                                      f"engine_policy{self.rank}")
         self.engine = create_engine(rollout.name, path, device=self.device, seed=cfg.trainer.seed + self.rank,
                                     key="actor_rollout_ref.rollout.name", **vllm_kw)
         self.tokenizer = self.engine.tokenizer

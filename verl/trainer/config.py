@@ -422,7 +422,10 @@ class RunConfig:
                                              "step<N>_<role><rank>.json.gz (a Chrome trace of its CPU operators and "
                                              "GPU kernels) and .txt (on a GPU, how each worker call split into "
                                              "compute, communication alone and idle; then operators by device "
-                                             "time); those steps run slower for it. [] or null: none")
+                                             "time); a vLLM engine core in a process of its own is recorded by "
+                                             "vLLM's profiler (step<N>_policy<rank>_engine.json.gz, summed up "
+                                             "per rollout call in the table); those steps run slower for it. [] "
+                                             "or null: none")
     balance_batch: bool = key(True, "several workers: reorder each step's trajectories so that every worker gets "
                                     "the same number and nearly the same number of tokens (verl's key); the "
                                     "update's result does not depend on the split")

@@ -8,8 +8,10 @@ writes two files under `<default_local_dir>/profile/`, named `step<N>_<role><ran
   log-prob passes, updates, weight sync), how its wall time splits on the GPU: compute (any kernel
   or copy but a collective running), communication not hidden behind compute (only NCCL kernels
   running), and idle; then operators by their own time on the device (on the CPU: CPU time).
-Only the worker's own process is seen: with `rollout.engine_core=separate` the engine's kernels run
-in another process and show up as the waits of the rollout.
+With `rollout.engine_core=separate` (the GPU default) the engine's kernels run in another process,
+where vLLM's own profiler records them: `step<N>_policy<rank>_engine.json.gz`, and in the `.txt` a
+table of what the engine core did during each rollout call (GPU busy time, model steps, tokens a
+step, time inside the steps; the rest is its scheduling and its waits for the agent's requests).
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import functools
 import gzip
 import json
 import os
+import re
 import shutil
 
 import torch
@@ -25,6 +28,9 @@ from torch.profiler import ProfilerActivity, profile
 TABLE_ROWS = 60
 PHASE_PREFIX = "worker."
 DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+ROLLOUT_PHASE = "generate"
+# vLLM's range around each model step of its workers: requests and tokens of prefill and of decode
+ENGINE_STEP = re.compile(r"execute_context_(\d+)\((\d+)\)_generation_(\d+)\((\d+)\)")
 
 
 def phase(method):
@@ -67,6 +73,48 @@ def gpu_time_by_phase(events: list[dict]) -> list[dict]:
     return rows
 
 
+def _phase_ranges(events: list[dict], name: str) -> list[tuple[float, float]]:
+    return [(p["ts"], p["ts"] + p["dur"]) for p in events
+            if p.get("cat") == "user_annotation" and p.get("name") == PHASE_PREFIX + name]
+
+
+def engine_time_by_rollout(events: list[dict], engine_events: list[dict], shift_us: float = 0.0) -> list[dict]:
+    """For each rollout call in a worker's trace (`events`), what the engine core did meanwhile in its
+    own process (`engine_events`, moved by `shift_us` onto the worker's clock): GPU busy seconds,
+    model steps, tokens a step, and seconds inside the steps (the rest of the call's wall time is the
+    core's scheduling and output handling, and its waits for the agent's next requests)."""
+    device = [(e["ts"] + shift_us, e["ts"] + e["dur"] + shift_us) for e in engine_events
+              if e.get("cat") in DEVICE_CATEGORIES and "dur" in e]
+    steps = []
+    for e in engine_events:
+        m = ENGINE_STEP.match(e.get("name", "")) if e.get("cat") == "user_annotation" and "dur" in e else None
+        if m:
+            steps.append((e["ts"] + shift_us, e["ts"] + e["dur"] + shift_us, int(m[2]) + int(m[4])))
+    rows = []
+    for lo, hi in _phase_ranges(events, ROLLOUT_PHASE):
+        inside = [(s, e, tokens) for s, e, tokens in steps if lo <= s < hi]
+        rows.append({"phase": ROLLOUT_PHASE, "wall_s": (hi - lo) / 1e6,
+                     "gpu_busy_s": _covered([(max(s, lo), min(e, hi)) for s, e in device if e > lo and s < hi]) / 1e6,
+                     "model_steps": len(inside),
+                     "tokens_per_step": sum(t for _, _, t in inside) / len(inside) if inside else 0.0,
+                     "in_steps_s": _covered([(s, min(e, hi)) for s, e, _ in inside]) / 1e6})
+    return rows
+
+
+def engine_table(rows: list[dict]) -> str:
+    lines = [f"{'worker call':<24}{'wall s':>10}{'GPU busy s':>12}{'model steps':>13}{'tokens/step':>13}"
+             f"{'in steps s':>12}"]
+    for r in rows:
+        lines.append(f"{r['phase']:<24}{r['wall_s']:>10.3f}{r['gpu_busy_s']:>12.3f}{r['model_steps']:>13d}"
+                     f"{r['tokens_per_step']:>13.1f}{r['in_steps_s']:>12.3f}")
+    return "\n".join(lines)
+
+
+def _load_trace(path: str) -> dict:
+    with gzip.open(path, "rb") as f:
+        return json.load(f)
+
+
 def phase_table(rows: list[dict]) -> str:
     lines = [f"{'worker call':<24}{'wall s':>10}{'compute s':>12}{'comm alone s':>14}{'idle s':>10}"]
     for r in rows:
@@ -86,8 +134,10 @@ class StepProfiler:
         self.prof = profile(activities=activities)
         self.prof.start()
 
-    def stop(self, path_prefix: str) -> list[str]:
-        """Stop recording and write `<path_prefix>.json.gz` and `<path_prefix>.txt`; returns their paths."""
+    def stop(self, path_prefix: str, engine_trace: str | None = None) -> list[str]:
+        """Stop recording and write `<path_prefix>.json.gz` and `<path_prefix>.txt`; returns their paths.
+        `engine_trace`: the rollout engine's own trace of the same step (vLLM's profiler, in the engine
+        core's process), summed up per rollout call in the table."""
         if self.prof is None:
             raise RuntimeError("the profiler was not started")
         prof, self.prof = self.prof, None
@@ -97,7 +147,8 @@ class StepProfiler:
         prof.export_chrome_trace(path_prefix + ".json")
         cuda = torch.cuda.is_available()
         with open(path_prefix + ".json", "rb") as src:
-            events = json.load(src)["traceEvents"] if cuda else []   # the split needs GPU kernels
+            own = json.load(src) if cuda or engine_trace else {}   # the tables need the ranges and kernels
+            events = own.get("traceEvents", [])
             src.seek(0)
             with gzip.open(trace, "wb") as dst:
                 shutil.copyfileobj(src, dst)
@@ -107,5 +158,10 @@ class StepProfiler:
             if cuda:
                 f.write("How the GPU spent each worker call (this process's kernels only)\n"
                         + phase_table(gpu_time_by_phase(events)) + "\n\n")
+            if engine_trace:
+                engine = _load_trace(engine_trace)
+                shift_us = (engine.get("baseTimeNanoseconds", 0) - own.get("baseTimeNanoseconds", 0)) / 1e3
+                f.write("What the engine core did during each rollout call (its own process)\n"
+                        + engine_table(engine_time_by_rollout(events, engine["traceEvents"], shift_us)) + "\n\n")
             f.write(prof.key_averages().table(sort_by=sort, row_limit=TABLE_ROWS) + "\n")
         return [trace, table]

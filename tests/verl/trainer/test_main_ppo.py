@@ -76,7 +76,9 @@ def grpo_two_steps(tiny_model_dir, bundled_data, bm25_server, tmp_path_factory):
     if reason := vllm_skip_reason():
         pytest.skip(reason)
     out = tmp_path_factory.mktemp("grpo")
-    rows, log = train(grpo_args(tiny_model_dir, bundled_data, bm25_server) + ["trainer.total_training_steps=2"], out)
+    # step 2 profiled: the engine cores (processes of their own) are recorded by vLLM's profiler
+    rows, log = train(grpo_args(tiny_model_dir, bundled_data, bm25_server)
+                      + ["trainer.total_training_steps=2", "trainer.profile_steps=[2]"], out)
     return out, rows, log
 
 
@@ -99,6 +101,13 @@ def test_grpo_two_steps(grpo_two_steps):
         assert r["grad_norm"] > 0 and r["reward/mean"] > 0  # the policy really moved
     assert steps[1]["kl_loss"] > 0  # step 2 samples come from the updated policy, unlike the reference
     assert "val/reward/em" in rows[0]
+    for rank in (0, 1):  # the engine core's own trace of the profiled step, summed up in the worker's table
+        engine = json.loads(gzip.decompress((out / "profile" / f"step2_policy{rank}_engine.json.gz").read_bytes()))
+        assert any(e.get("name", "").startswith("execute_context_") for e in engine["traceEvents"])
+        table = (out / "profile" / f"step2_policy{rank}.txt").read_text()
+        row = table.split("What the engine core did during each rollout call")[1].splitlines()[2].split()
+        assert row[0] == "generate" and int(row[3]) > 0   # model steps inside the rollout call
+    assert not (out / "profile" / "step1_policy0.txt").exists() and not list((out / "profile").glob("engine_*"))
     assert (out / "checkpoints" / "global_step_2").is_dir() and (out / "hf_actor" / "config.json").exists()
     # the exported actor is a loadable HF model
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -6,6 +6,7 @@ piece of text that ends at a token boundary, which a second greedy run must stop
 """
 
 import asyncio
+import gzip
 import json
 import os
 import subprocess
@@ -364,3 +365,23 @@ def test_logprobs_are_those_of_the_distribution_sampled_from(engine, tiny_model,
         for key, prompt in enumerate(prompts):
             check(prompt, done[key])
     assert all(g.logprobs is None for g in engine.generate(prompts, replace(sampling, logprobs=False), stop=[]))
+
+
+@pytest.mark.e2e
+def test_vllm_profiler_writes_the_engines_trace_where_asked(tiny_model, vllm_engine, prompts, tmp_path):
+    """profile_dir turns on vLLM's own profiler (the trainer's profile_steps with the engine core in a
+    process of its own): each start/stop records the model steps and moves the trace out."""
+    with pytest.raises(RuntimeError, match="without profile_dir"):
+        vllm_engine.start_profile()
+    engine = VLLMEngine(tiny_model, seed=0, profile_dir=str(tmp_path / "engine"), **VLLM_KW)
+    try:
+        for step in (1, 2):   # a run may profile several steps
+            engine.start_profile()
+            engine.generate(prompts, GREEDY, [])
+            [trace] = engine.stop_profile(str(tmp_path / "profile" / f"step{step}_policy0_engine"))
+            assert trace == str(tmp_path / "profile" / f"step{step}_policy0_engine.json.gz")
+            events = json.loads(gzip.decompress(Path(trace).read_bytes()))["traceEvents"]
+            assert any(e.get("name", "").startswith("execute_context_") for e in events)
+            assert not (tmp_path / "engine").exists()   # nothing else left behind
+    finally:
+        engine.shutdown()

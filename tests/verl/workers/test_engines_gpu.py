@@ -1,7 +1,15 @@
 """Weight pushes from CUDA tensors into vLLM on a GPU: in-process, and into an engine core in a child
-process (CUDA IPC handles, the trainer's rollout.engine_core=separate). Skipped without CUDA or vLLM.
+process (CUDA IPC handles, the trainer's rollout.engine_core=separate); and the profile of such an
+engine core (the trainer's profile_steps) summed up per rollout call. Skipped without CUDA or vLLM.
 The push times are printed (pytest -s) as a first reading; benchmarks/bench_grpo_step.py measures
 the trainer's."""
+
+import gzip
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,3 +31,45 @@ def test_push_from_cuda_tensors_takes_effect_and_restores(tiny_model_dir, separa
     print(f"push of the tiny model's weights ({'separate' if separate else 'in-process'}): {got['push_s']:.3f} s")
     assert got["in_process"] != separate
     assert got["changed"] != got["before"] and got["after"] == got["before"]
+
+
+PROFILE_SCRIPT = """
+import json, sys
+import torch
+from verl.utils.profiling import StepProfiler, phase
+from verl.workers.rollout.engines import SamplingConfig, VLLMEngine
+model, out = sys.argv[1], sys.argv[2]
+torch.cuda.is_available()
+engine = VLLMEngine(model, seed=0, max_model_len=512, kv_cache_memory_bytes=64 << 20, separate_core=True,
+                    profile_dir=out + "/engine")
+
+@phase
+def generate():
+    return engine.generate([[1, 2, 3, 4]] * 8, SamplingConfig(temperature=0, max_tokens=32), [])
+
+profiler = StepProfiler()
+profiler.start()
+engine.start_profile()
+generate()
+[trace] = engine.stop_profile(out + "/step1_policy0_engine")
+files = profiler.stop(out + "/step1_policy0", engine_trace=trace)
+engine.shutdown()
+print("RESULT", json.dumps(files + [trace]), flush=True)
+"""
+
+
+def test_a_separate_engine_cores_profile_is_summed_up_per_rollout_call(tiny_model_dir, tmp_path):
+    if reason := vllm_skip_reason():
+        pytest.skip(reason)
+    root = Path(__file__).resolve().parents[3]
+    path = os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))
+    r = subprocess.run([sys.executable, "-c", PROFILE_SCRIPT, tiny_model_dir, str(tmp_path)], capture_output=True,
+                       text=True, timeout=300, cwd=root, env={**os.environ, "PYTHONPATH": path})
+    assert r.returncode == 0, r.stderr[-3000:]
+    _, table, engine = json.loads(next(line for line in r.stdout.splitlines() if line.startswith("RESULT "))[7:])
+    events = json.loads(gzip.decompress(Path(engine).read_bytes()))["traceEvents"]
+    assert any(e.get("cat") == "kernel" for e in events)   # the engine's kernels, recorded in its own process
+    text = Path(table).read_text()
+    row = text.split("What the engine core did during each rollout call")[1].splitlines()[2].split()
+    print(text.split("\n\n")[0] + "\n" + "\n".join(text.split("\n\n")[1].splitlines()[:3]))
+    assert row[0] == "generate" and float(row[2]) > 0 and int(row[3]) > 0   # GPU busy, model steps

@@ -29,6 +29,7 @@ import functools
 import itertools
 import logging
 import os
+import shutil
 import sys
 from dataclasses import astuple, dataclass, replace
 from typing import Any, Protocol
@@ -256,6 +257,7 @@ class VLLMEngine:
         enable_sleep_mode: bool = False,
         enforce_eager: bool | None = None,  # None: eager on CPU (compiling takes minutes), graphs on GPU
         separate_core: bool | None = None,  # None: as VLLM_ENABLE_V1_MULTIPROCESSING says (unset: False)
+        profile_dir: str | None = None,  # where vLLM's own profiler writes (start_profile); None: off
         **kw,  # passed to vllm.LLM, e.g. kv_cache_memory_bytes, tensor_parallel_size
     ):
         # By default the engine core stays in this process: weight updates reach the model directly
@@ -275,6 +277,11 @@ class VLLMEngine:
         # Log-probs, where asked for, of the distribution actually sampled from (the trainer's
         # importance weights compare it with the actor's), not of the raw logits.
         kw.setdefault("logprobs_mode", "processed_logprobs")
+        self.profile_dir = os.path.abspath(profile_dir) if profile_dir else None  # the core may run elsewhere
+        if self.profile_dir:  # no Python stacks and no operator table: the trace is what is read
+            kw.setdefault("profiler_config", {"profiler": "torch", "torch_profiler_dir": self.profile_dir,
+                                              "torch_profiler_with_stack": False,
+                                              "torch_profiler_dump_cuda_time_total": False})
         with _hidden_from_vllm_module_scan():
             self.llm = LLM(
                 model=model_path,
@@ -371,6 +378,28 @@ class VLLMEngine:
     def dtype(self) -> torch.dtype:
         """The dtype of the engine's weights; pushed weights are cast to it."""
         return self.llm.llm_engine.model_config.dtype
+
+    def start_profile(self) -> None:
+        """Start vLLM's torch profiler in the engine core's workers (needs `profile_dir`): with a core in
+        a process of its own, the profiler of the calling process does not see the engine's kernels."""
+        if not self.profile_dir:
+            raise RuntimeError("VLLMEngine was built without profile_dir: vLLM's profiler is off")
+        self.llm.start_profile()
+
+    def stop_profile(self, path_prefix: str) -> list[str]:
+        """Stop it and move the traces vLLM wrote (one per engine worker) to `<path_prefix>.json.gz`
+        (`<path_prefix>-<i>.json.gz` for several); returns their paths."""
+        self.llm.stop_profile()  # returns once the traces are written
+        os.makedirs(os.path.dirname(path_prefix) or ".", exist_ok=True)
+        traces = sorted(f for f in os.listdir(self.profile_dir) if f.endswith(".json.gz")) \
+            if os.path.isdir(self.profile_dir) else []
+        paths = [path_prefix + (f"-{i}" if len(traces) > 1 else "") + ".json.gz" for i in range(len(traces))]
+        for name, path in zip(traces, paths):
+            os.replace(os.path.join(self.profile_dir, name), path)
+        shutil.rmtree(self.profile_dir, ignore_errors=True)  # what else vLLM left there (an operator table)
+        if not paths:  # vLLM logs a failed start or stop as a warning and goes on
+            logger.warning("vLLM's profiler wrote no trace into %s: see vLLM's warnings above", self.profile_dir)
+        return paths
 
     def shutdown(self) -> None:
         """Stop the engine core now; with a core of its own, its process and shared memory go too
