@@ -158,16 +158,22 @@ print("RESULT", json.dumps({"in_process": engine.in_process, "before": before, "
 """
 
 
-def run_child_core_script(model: str, prompts, device: str, separate: bool) -> dict:
-    """CHILD_CORE_SCRIPT in a process of its own (vLLM reads VLLM_ENABLE_V1_MULTIPROCESSING once per process)."""
+def run_script(script: str, *args: str, env: dict | None = None):
+    """A Python script in a process of its own, with the repository on its path; returns what it
+    printed after "RESULT " (JSON)."""
     root = Path(__file__).resolve().parents[3]
     # The repository first, then whatever the caller had on the path (packages installed with --target).
     path = os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))
-    r = subprocess.run([sys.executable, "-c", CHILD_CORE_SCRIPT, model, json.dumps(prompts), device],
-                       capture_output=True, text=True, timeout=300, cwd=root,
-                       env={**os.environ, "PYTHONPATH": path, "VLLM_ENABLE_V1_MULTIPROCESSING": str(int(separate))})
+    r = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=300, cwd=root,
+                       env={**os.environ, "PYTHONPATH": path, **(env or {})})
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads(next(line for line in r.stdout.splitlines() if line.startswith("RESULT "))[7:])
+
+
+def run_child_core_script(model: str, prompts, device: str, separate: bool) -> dict:
+    """CHILD_CORE_SCRIPT in a process of its own (vLLM reads VLLM_ENABLE_V1_MULTIPROCESSING once per process)."""
+    return run_script(CHILD_CORE_SCRIPT, model, json.dumps(prompts), device,
+                      env={"VLLM_ENABLE_V1_MULTIPROCESSING": str(int(separate))})
 
 
 @pytest.mark.e2e

@@ -6,16 +6,13 @@ the trainer's."""
 
 import gzip
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from conftest import vllm_skip_reason
-from test_engines import QUESTIONS, run_child_core_script
+from test_engines import QUESTIONS, run_child_core_script, run_script
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -61,12 +58,7 @@ print("RESULT", json.dumps(files + [trace]), flush=True)
 def test_a_separate_engine_cores_profile_is_summed_up_per_rollout_call(tiny_model_dir, tmp_path):
     if reason := vllm_skip_reason():
         pytest.skip(reason)
-    root = Path(__file__).resolve().parents[3]
-    path = os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))
-    r = subprocess.run([sys.executable, "-c", PROFILE_SCRIPT, tiny_model_dir, str(tmp_path)], capture_output=True,
-                       text=True, timeout=300, cwd=root, env={**os.environ, "PYTHONPATH": path})
-    assert r.returncode == 0, r.stderr[-3000:]
-    _, table, engine = json.loads(next(line for line in r.stdout.splitlines() if line.startswith("RESULT "))[7:])
+    _, table, engine = run_script(PROFILE_SCRIPT, tiny_model_dir, str(tmp_path))
     events = json.loads(gzip.decompress(Path(engine).read_bytes()))["traceEvents"]
     assert any(e.get("cat") == "kernel" for e in events)   # the engine's kernels, recorded in its own process
     text = Path(table).read_text()
