@@ -150,6 +150,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--retrieval-devices",
                    help="the retrieval server's --devices, e.g. cpu (default: the server's, every GPU)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--request-seeds", action="store_true",
+                   help="every request with a seed of its own, as the trainer's rollout.request_seeds=true seeds "
+                        "them (the agent's per trajectory and turn, the baselines' per request); default: none, "
+                        "all draw from the engine's stream")
     p.add_argument("--workdir", default="outputs/bench_rollout")
     p.add_argument("--quick", action="store_true", help="CPU, tiny shape and sizes (CI)")
     p.add_argument("--out", help="append one JSON row per measurement to this file")
@@ -466,6 +470,8 @@ def main(argv=None):
     if mean_turn <= 2:
         raise SystemExit(f"--response-tokens {a.response_tokens} over {a.max_turns + 1} turns is ≤ 2 tokens a "
                          "turn: raise --response-tokens")
+    if a.request_seeds and not gpu:
+        raise SystemExit("--request-seeds needs a GPU: vLLM on CPU cannot seed a request")
     cap = a.max_tokens_per_turn or round(4 * mean_turn)
     vllm_n = [int(x) for x in a.trajectories.split(",")] if a.engine != "hf" else []
     hf_n = [int(x) for x in a.hf_trajectories.split(",")] if a.engine != "vllm" else []
@@ -493,7 +499,8 @@ def main(argv=None):
               "cudagraph_mode": a.cudagraph_mode or "default",
               "max_cudagraph_capture_size": a.max_cudagraph_capture_size or "default",
               "retrieval_devices": a.retrieval_devices or "default", "engine_core": a.engine_core,
-              "core_stats": a.core_stats, **({"torch_profile": True} if a.torch_profile else {}),
+              "core_stats": a.core_stats, "request_seeds": a.request_seeds,
+              **({"torch_profile": True} if a.torch_profile else {}),
               **({"gpu_memory_utilization_each": round(a.gpu_memory_utilization / a.engines, 3)}
                  if a.engines > 1 and gpu else {}),
               **({"vllm_args": dict(a.vllm_arg)} if a.vllm_arg else {})}
@@ -535,7 +542,8 @@ def main(argv=None):
                 logit_bias = calibrate_tag_bias(engine, prompts_all[:64], tag_ids, mean_turn)
             common["tag_bias"] = {tag: round(logit_bias[t], 3) for tag, t in zip(TAGS, tag_ids)}
             log.info("tag logit bias %s", common["tag_bias"])
-            sampling = SamplingConfig(temperature=1.0, top_p=1.0, max_tokens=cap, logit_bias=logit_bias)
+            sampling = SamplingConfig(temperature=1.0, top_p=1.0, max_tokens=cap, logit_bias=logit_bias,
+                                      seed=a.seed if a.request_seeds else None)
             if name == "vllm" and a.engines > 1:
                 engines = [engine] + [VLLMEngine(model, seed=a.seed + i, max_model_len=max_model_len,
                                                  separate_core=True, **kw) for i in range(1, a.engines)]

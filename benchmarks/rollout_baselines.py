@@ -27,12 +27,14 @@ def cold_prefix_cache(engine) -> None:
         engine.llm.reset_prefix_cache()
 
 
-def exact_length_params(sampling, n_tokens: int):
-    """vLLM sampling settings of the agent's, writing exactly `n_tokens` (EOS ignored, no stop strings)."""
+def exact_length_params(sampling, n_tokens: int, k: int):
+    """vLLM sampling settings of the agent's, writing exactly `n_tokens` (EOS ignored, no stop
+    strings); where the agent's requests carry seeds of their own (sampling.seed), request k's too."""
     from vllm import SamplingParams
 
+    seed = None if sampling.seed is None else (sampling.seed + k) % 2**31
     return SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p, max_tokens=n_tokens,
-                          ignore_eos=True, logit_bias=sampling.logit_bias)
+                          ignore_eos=True, logit_bias=sampling.logit_bias, seed=seed)
 
 
 def plain_vllm(engine, prompts, n_tokens_B: list[int], sampling, timeline: list | None = None) -> tuple[float, dict]:
@@ -40,7 +42,7 @@ def plain_vllm(engine, prompts, n_tokens_B: list[int], sampling, timeline: list 
     the engine-step statistics; with `timeline`, appends its core steps."""
     from vllm.inputs import TokensPrompt
 
-    params = [exact_length_params(sampling, n) for n in n_tokens_B]
+    params = [exact_length_params(sampling, n, i) for i, n in enumerate(n_tokens_B)]
     t0 = time.perf_counter()
     with StepTimer(engine) as timer:
         outputs = engine.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params,
@@ -77,7 +79,8 @@ def replay_vllm(engine, prompts, turns_B: list[list[tuple[int, list[int]]]], sam
             if ready and (steps_since_admit >= admit_every or not live):
                 for i in ready:
                     request_id = f"replay-{i}-{next_turn_B[i]}"
-                    params = exact_length_params(sampling, turns_B[i][next_turn_B[i]][0])
+                    params = exact_length_params(sampling, turns_B[i][next_turn_B[i]][0],
+                                                 1_009 * i + next_turn_B[i])
                     params.output_kind = RequestOutputKind.FINAL_ONLY
                     llm_engine.add_request(request_id, TokensPrompt(prompt_token_ids=list(contexts_B[i])), params)
                     live[request_id] = i

@@ -262,11 +262,17 @@ class PolicyWorker(ProfiledWorker):
     def generate(self, prompts: list[list[int]], group_ids: list[int], temperature: float,
                  top_p: float, max_tokens: int, seed: int | None = None, logprobs: bool = False) -> RolloutBatch:
         """The agent loop over `prompts`; `seed` (the step's, for this worker) makes its samples the
-        same in a resumed run as in an uninterrupted one (vLLM on CPU ignores it). `logprobs`: keep
-        the engine's log-prob of every sampled token (batch.rollout_logprobs_BR)."""
+        same in a resumed run as in an uninterrupted one: each request's own (vLLM on CPU ignores
+        those), or with rollout.request_seeds=false the engine's one stream, re-seeded here, which
+        repeats where the requests reach the engine in the same batches. `logprobs`: keep the
+        engine's log-prob of every sampled token (batch.rollout_logprobs_BR)."""
         from verl.workers.rollout.engines import SamplingConfig
         self.wake_rollout()
-        bias = self.cfg.actor_rollout_ref.rollout.logit_bias or None
+        rollout = self.cfg.actor_rollout_ref.rollout
+        if seed is not None and not rollout.request_seeds:  # one stream for the call, not one a request
+            self.engine.reseed(seed)
+            seed = None
+        bias = rollout.logit_bias or None
         trajectories = self.agent.run(prompts, SamplingConfig(temperature, top_p, max_tokens, seed=seed,
                                                               logit_bias=bias, logprobs=logprobs))
         self.sleep_rollout()

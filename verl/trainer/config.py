@@ -215,6 +215,12 @@ class RolloutConfig:
                                                     "search agent's options), which these override")
     schedule: str = key("auto", "how the agent loop drives the engine: sync | async | continuous (vLLM only) | "
                                 "auto: continuous with vLLM on a GPU, else sync (benchmarks/RESULTS.md)")
+    request_seeds: bool = key(True, "each rollout request samples from a seed of its own (from the step's, the "
+                                    "trajectory's and the turn's), so its draws do not depend on the batch "
+                                    "around it; vLLM then draws every seeded request's noise separately at each "
+                                    "engine step. false: the step's seed re-seeds each engine once and all "
+                                    "requests draw together, so a resumed step repeats its samples only where "
+                                    "its requests form the same batches (benchmarks/RESULTS.md)")
     admit_every_steps: int = key(32, "continuous schedule: engine steps between admissions, when the turns that "
                                      "are ready join the running batch together")
     max_cudagraph_capture_size: int | None = key(2048, "vLLM: tokens of the largest engine step run as a CUDA "

@@ -31,6 +31,9 @@ DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 ROLLOUT_PHASE = "generate"
 # vLLM's range around each model step of its workers: requests and tokens of prefill and of decode
 ENGINE_STEP = re.compile(r"execute_context_(\d+)\((\d+)\)_generation_(\d+)\((\d+)\)")
+# vLLM's ranges around the parts of a step (with VLLM_CUSTOM_SCOPES_FOR_PROFILING=1): the model
+# runner's input preparation, forward, sampling…, and pieces of the scheduler
+ENGINE_PARTS = ("gpu_model_runner: ", "schedule: ")
 
 
 def phase(method):
@@ -82,22 +85,31 @@ def engine_time_by_rollout(events: list[dict], engine_events: list[dict], shift_
     """For each rollout call in a worker's trace (`events`), what the engine core did meanwhile in its
     own process (`engine_events`, moved by `shift_us` onto the worker's clock): GPU busy seconds,
     model steps, tokens a step, and seconds inside the steps (the rest of the call's wall time is the
-    core's scheduling and output handling, and its waits for the agent's next requests)."""
+    core's scheduling and output handling, and its waits for the agent's next requests); `parts_s`:
+    the seconds of each of vLLM's named parts of a step (ENGINE_PARTS) that the trace holds."""
+    def clipped(spans, lo, hi):
+        return _covered([(max(s, lo), min(e, hi)) for s, e in spans if e > lo and s < hi]) / 1e6
+
     device = [(e["ts"] + shift_us, e["ts"] + e["dur"] + shift_us) for e in engine_events
               if e.get("cat") in DEVICE_CATEGORIES and "dur" in e]
-    steps = []
+    steps, parts = [], {}
     for e in engine_events:
-        m = ENGINE_STEP.match(e.get("name", "")) if e.get("cat") == "user_annotation" and "dur" in e else None
-        if m:
-            steps.append((e["ts"] + shift_us, e["ts"] + e["dur"] + shift_us, int(m[2]) + int(m[4])))
+        if e.get("cat") != "user_annotation" or "dur" not in e:
+            continue
+        span = (e["ts"] + shift_us, e["ts"] + e["dur"] + shift_us)
+        if m := ENGINE_STEP.match(e["name"]):
+            steps.append((*span, int(m[2]) + int(m[4])))
+        elif e["name"].startswith(ENGINE_PARTS):
+            parts.setdefault(e["name"], []).append(span)
     rows = []
     for lo, hi in _phase_ranges(events, ROLLOUT_PHASE):
         inside = [(s, e, tokens) for s, e, tokens in steps if lo <= s < hi]
-        rows.append({"phase": ROLLOUT_PHASE, "wall_s": (hi - lo) / 1e6,
-                     "gpu_busy_s": _covered([(max(s, lo), min(e, hi)) for s, e in device if e > lo and s < hi]) / 1e6,
+        parts_s = {name: clipped(spans, lo, hi) for name, spans in parts.items()}
+        rows.append({"phase": ROLLOUT_PHASE, "wall_s": (hi - lo) / 1e6, "gpu_busy_s": clipped(device, lo, hi),
                      "model_steps": len(inside),
                      "tokens_per_step": sum(t for _, _, t in inside) / len(inside) if inside else 0.0,
-                     "in_steps_s": _covered([(s, min(e, hi)) for s, e, _ in inside]) / 1e6})
+                     "in_steps_s": _covered([(s, min(e, hi)) for s, e, _ in inside]) / 1e6,
+                     "parts_s": {name: t for name, t in sorted(parts_s.items(), key=lambda kv: -kv[1]) if t > 0}})
     return rows
 
 
@@ -107,6 +119,10 @@ def engine_table(rows: list[dict]) -> str:
     for r in rows:
         lines.append(f"{r['phase']:<24}{r['wall_s']:>10.3f}{r['gpu_busy_s']:>12.3f}{r['model_steps']:>13d}"
                      f"{r['tokens_per_step']:>13.1f}{r['in_steps_s']:>12.3f}")
+    for i, r in enumerate(rows):
+        if r.get("parts_s"):
+            lines.append(f"  call {i + 1}, vLLM's named parts (CPU s): "
+                         + ", ".join(f"{name} {t:.3f}" for name, t in r["parts_s"].items()))
     return "\n".join(lines)
 
 

@@ -1,7 +1,8 @@
-"""PolicyWorker's choices that depend on the device, and its handling of a rollout engine that runs
-out of GPU memory. The failing engine is a stand-in: running a real GPU out of memory is outside
-what a CPU test can do."""
+"""PolicyWorker's choices that depend on the device, how it seeds its rollouts, and its handling of a
+rollout engine that runs out of GPU memory. The failing engine is a stand-in: running a real GPU out
+of memory is outside what a CPU test can do."""
 import pytest
+import torch
 
 from verl.single_controller.roles import PolicyWorker, agent_schedule, separate_engine_core, vllm_engine_kwargs
 from verl.trainer.config import RolloutConfig, TrainerConfig
@@ -30,6 +31,53 @@ def test_vllm_engine_kwargs_put_the_users_over_the_trainers():
     mine = RolloutConfig(engine_kwargs={"max_num_seqs": 512, "compilation_config": {"cudagraph_mode": "FULL"}})
     assert vllm_engine_kwargs(mine, 1, True, "cuda") == {"max_num_seqs": 512,
                                                         "compilation_config": {"cudagraph_mode": "FULL"}}
+
+
+class SeedLog:
+    """A real engine, with a log of how each call was seeded."""
+
+    def __init__(self, engine):
+        self.engine, self.calls = engine, []
+
+    def reseed(self, seed):
+        self.calls.append(("reseed", seed))
+        self.engine.reseed(seed)
+
+    def generate(self, prompts, sampling, stop):
+        self.calls.append(("generate", sampling.seed))
+        return self.engine.generate(prompts, sampling, stop)
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+
+@pytest.mark.parametrize("request_seeds", [True, False])
+def test_the_steps_seed_seeds_each_request_or_the_engine_once(tiny_model_dir, request_seeds):
+    """rollout.request_seeds: the step's seed goes with every request, or (false) re-seeds the engine
+    before the call and the requests go unseeded. Either way a seed repeats its samples, although
+    other work moved torch's global stream in between, and another seed samples differently."""
+    from verl.workers.rollout.agent_loop import AgentLoopSettings
+    from verl.workers.rollout.engines import HFEngine
+    from verl.workers.rollout.single_turn import SingleTurnLoop
+    engine = SeedLog(HFEngine(tiny_model_dir))
+    worker = object.__new__(PolicyWorker)  # the fields generate reads
+    worker.cfg = TrainerConfig()
+    worker.cfg.actor_rollout_ref.rollout.request_seeds = request_seeds
+    worker.engine, worker.tokenizer, worker._asleep = engine, engine.tokenizer, False
+    worker.agent = SingleTurnLoop(engine, AgentLoopSettings(max_tokens_per_turn=12))
+    prompts = [engine.tokenizer(q).input_ids for q in ("capital of France?", "who wrote Hamlet?")] * 2
+
+    def sample(seed):
+        torch.manual_seed(1_000 + len(engine.calls))  # training between rollouts draws from the stream
+        return worker.generate(prompts, [0, 1, 0, 1], 1.0, 1.0, 12, seed=seed).info["response_ids"]
+
+    first, again, other = sample(5), sample(5), sample(6)
+    assert first == again and first != other
+    if request_seeds:
+        assert engine.calls == [("generate", 5), ("generate", 5), ("generate", 6)]
+    else:
+        assert engine.calls == [("reseed", 5), ("generate", None), ("reseed", 5), ("generate", None),
+                                ("reseed", 6), ("generate", None)]
 
 
 class EngineOutOfMemory:

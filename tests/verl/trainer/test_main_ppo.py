@@ -107,6 +107,7 @@ def test_grpo_two_steps(grpo_two_steps):
         table = (out / "profile" / f"step2_policy{rank}.txt").read_text()
         row = table.split("What the engine core did during each rollout call")[1].splitlines()[2].split()
         assert row[0] == "generate" and int(row[3]) > 0   # model steps inside the rollout call
+        assert "vLLM's named parts (CPU s): " in table and "gpu_model_runner: forward" in table
     assert not (out / "profile" / "step1_policy0.txt").exists() and not list((out / "profile").glob("engine_*"))
     assert (out / "checkpoints" / "global_step_2").is_dir() and (out / "hf_actor" / "config.json").exists()
     # the exported actor is a loadable HF model

@@ -76,7 +76,10 @@ def test_engine_time_by_rollout_sums_up_the_engine_cores_trace_in_each_rollout_c
         step(-1, 0.5, 0, 4),                    # before the call: not counted
         step(1, 1, 100, 0), step(2, 1, 0, 3), step(2.5, 1, 0, 5),   # in steps 1-3.5: 2.5 s
         step(9.5, 2, 0, 8),                     # starts inside, clipped at the call's end: 0.5 s
-        {"cat": "user_annotation", "name": "gpu_model_runner: forward", "ts": 4 * us, "dur": 1 * us},  # not a step
+        {"cat": "user_annotation", "name": "gpu_model_runner: forward", "ts": 4 * us, "dur": 1 * us},  # a part
+        {"cat": "user_annotation", "name": "gpu_model_runner: sample", "ts": 5 * us, "dur": 1 * us},
+        {"cat": "user_annotation", "name": "gpu_model_runner: sample", "ts": 9.5 * us, "dur": 1 * us},  # clipped
+        {"cat": "user_annotation", "name": "gpu_model_runner: sample", "ts": 30 * us, "dur": 1 * us},  # later
         {"cat": "kernel", "name": "gemm", "ts": 1 * us, "dur": 2 * us},
         {"cat": "kernel", "name": "attn", "ts": 2 * us, "dur": 2 * us},   # overlaps: busy 1-4
         {"cat": "kernel", "name": "gemm", "ts": 9 * us, "dur": 3 * us},   # clipped: 9-10
@@ -84,5 +87,9 @@ def test_engine_time_by_rollout_sums_up_the_engine_cores_trace_in_each_rollout_c
     ]
     [row] = engine_time_by_rollout(worker, engine, shift)
     assert row == {"phase": "generate", "wall_s": 10, "gpu_busy_s": 4, "model_steps": 4,
-                   "tokens_per_step": (100 + 3 + 5 + 8) / 4, "in_steps_s": 3}
-    assert engine_table([row]).splitlines()[1].split() == ["generate", "10.000", "4.000", "4", "29.0", "3.000"]
+                   "tokens_per_step": (100 + 3 + 5 + 8) / 4, "in_steps_s": 3,
+                   "parts_s": {"gpu_model_runner: sample": 1.5, "gpu_model_runner: forward": 1}}
+    table = engine_table([row]).splitlines()
+    assert table[1].split() == ["generate", "10.000", "4.000", "4", "29.0", "3.000"]
+    assert table[2] == ("  call 1, vLLM's named parts (CPU s): gpu_model_runner: sample 1.500, "
+                        "gpu_model_runner: forward 1.000")

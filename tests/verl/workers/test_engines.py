@@ -103,6 +103,21 @@ def test_sampling_is_seeded(engine, prompts):
     assert len({tuple(g.token_ids) for g in generations}) > 1, "samples of one prompt should differ"
 
 
+def test_reseed_repeats_the_samples_of_unseeded_requests(engine, prompts):
+    """`reseed` restarts the stream that unseeded requests draw from (the trainer's
+    rollout.request_seeds=false), in vLLM's worker as in transformers; vLLM on CPU, which ignores a
+    request's own seed, is seeded this way too."""
+    sampling = SamplingConfig(temperature=1.0, max_tokens=8)
+
+    def sample(seed):
+        torch.rand(5)  # other work moved the stream on
+        engine.reseed(seed)
+        return [g.token_ids for g in engine.generate(prompts, sampling, stop=[])]
+
+    first = sample(3)
+    assert sample(3) == first and sample(4) != first
+
+
 def test_hf_seed_reproduces_samples(hf_engine, prompts):
     sampling = SamplingConfig(temperature=1.0, max_tokens=8, seed=7)
     assert hf_engine.generate(prompts, sampling, stop=[]) == hf_engine.generate(prompts, sampling, stop=[])
@@ -152,9 +167,13 @@ push_s = time.perf_counter() - t0
 changed = [g.token_ids for g in engine.generate(prompts, greedy, [])]
 engine.load_weights(original.items())
 after = [g.token_ids for g in engine.generate(prompts, greedy, [])]
+sampled = []
+for seed in (3, 3, 4):  # reseed reaches the engine's worker, wherever it runs; one request, so that its
+    engine.reseed(seed)  # batch (and row of noise) cannot depend on when a child core received it
+    sampled.append(engine.generate(prompts[:1], SamplingConfig(temperature=1.0, max_tokens=12), [])[0].token_ids)
 engine.shutdown()
 print("RESULT", json.dumps({"in_process": engine.in_process, "before": before, "changed": changed, "after": after,
-                            "push_s": push_s}), flush=True)
+                            "push_s": push_s, "sampled": sampled}), flush=True)
 """
 
 
@@ -186,6 +205,7 @@ def test_vllm_engine_core_in_a_child_process(tiny_model, vllm_engine, prompts):
     assert vllm_engine.in_process and not got["in_process"]
     assert got["before"] == [g.token_ids for g in vllm_engine.generate(prompts, GREEDY, stop=[])]
     assert got["changed"] != got["before"] and got["after"] == got["before"]
+    assert got["sampled"][0] == got["sampled"][1] != got["sampled"][2]
 
 
 def test_engine_core_is_spawned_unless_the_user_chose(monkeypatch, caplog):

@@ -1,6 +1,6 @@
 """Weight pushes from CUDA tensors into vLLM on a GPU: in-process, and into an engine core in a child
-process (CUDA IPC handles, the trainer's rollout.engine_core=separate); and the profile of such an
-engine core (the trainer's profile_steps) summed up per rollout call. Skipped without CUDA or vLLM.
+process (CUDA IPC handles, the trainer's rollout.engine_core=separate), and `reseed` in both; and the
+profile of such an engine core (the trainer's profile_steps) summed up per rollout call. Skipped without CUDA or vLLM.
 The push times are printed (pytest -s) as a first reading; benchmarks/bench_grpo_step.py measures
 the trainer's."""
 
@@ -28,6 +28,7 @@ def test_push_from_cuda_tensors_takes_effect_and_restores(tiny_model_dir, separa
     print(f"push of the tiny model's weights ({'separate' if separate else 'in-process'}): {got['push_s']:.3f} s")
     assert got["in_process"] != separate
     assert got["changed"] != got["before"] and got["after"] == got["before"]
+    assert got["sampled"][0] == got["sampled"][1] != got["sampled"][2]  # reseed reaches the engine's worker
 
 
 PROFILE_SCRIPT = """
@@ -65,3 +66,4 @@ def test_a_separate_engine_cores_profile_is_summed_up_per_rollout_call(tiny_mode
     row = text.split("What the engine core did during each rollout call")[1].splitlines()[2].split()
     print(text.split("\n\n")[0] + "\n" + "\n".join(text.split("\n\n")[1].splitlines()[:3]))
     assert row[0] == "generate" and float(row[2]) > 0 and int(row[3]) > 0   # GPU busy, model steps
+    assert "gpu_model_runner: sample" in text   # vLLM's named parts of the steps

@@ -17,8 +17,13 @@ Stop strings are matched inside the engine, so no token is generated past the ta
 arrive within a few milliseconds of each other are served by one batched `generate`. Only
 `VLLMEngine` can step (`continuous = True`: `submit`, `step`), which the continuous schedule needs.
 
-Seeding: vLLM on CPU rejects a per-request seed ("CPU Generator does not use offset"), so there the
-engine is seeded once at construction and `SamplingConfig.seed` is ignored with a warning.
+Seeding, two ways. `SamplingConfig.seed` gives every request a seed of its own (a row's, or the agent
+loop's per trajectory and turn), so a request's random draws do not depend on the requests beside
+it; vLLM then draws each seeded request's noise separately, one small GPU operation per request and
+engine step. `reseed(seed)` instead re-seeds the engine's one sampling stream, from which all
+unseeded requests draw together (the trainer's `rollout.request_seeds=false`). vLLM on CPU rejects a
+per-request seed ("CPU Generator does not use offset"): there `SamplingConfig.seed` is ignored with
+a warning, and only the construction seed and `reseed` apply.
 """
 
 from __future__ import annotations
@@ -47,7 +52,7 @@ class SamplingConfig:
     temperature: float = 1.0  # 0 = greedy
     top_p: float = 1.0
     max_tokens: int = 512     # new tokens per call
-    seed: int | None = None   # makes one call's samples reproducible; ignored by vLLM on CPU
+    seed: int | None = None   # a seed for each request (module docstring); ignored by vLLM on CPU
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling
     logprobs: bool = False    # also return each sampled token's log-prob (Generation.logprobs)
 
@@ -279,6 +284,10 @@ class VLLMEngine:
         kw.setdefault("logprobs_mode", "processed_logprobs")
         self.profile_dir = os.path.abspath(profile_dir) if profile_dir else None  # the core may run elsewhere
         if self.profile_dir:  # no Python stacks and no operator table: the trace is what is read
+            # vLLM then also names the parts of each step (input preparation, forward, sampling…) in
+            # the trace; a core of its own reads this at start, one in this process at its first step
+            # (so not where another engine stepped before).
+            os.environ.setdefault("VLLM_CUSTOM_SCOPES_FOR_PROFILING", "1")
             kw.setdefault("profiler_config", {"profiler": "torch", "torch_profiler_dir": self.profile_dir,
                                               "torch_profiler_with_stack": False,
                                               "torch_profiler_dump_cuda_time_total": False})
@@ -354,6 +363,11 @@ class VLLMEngine:
         if self._live:
             self.llm.llm_engine.abort_request(list(self._live))
             self._live.clear()
+
+    def reseed(self, seed: int) -> None:
+        """Re-seed the sampling stream that requests without a seed of their own draw from, in every
+        worker of the engine (the engine core's process too)."""
+        self.llm.collective_rpc("reseed", args=(seed,))
 
     # -- colocated training: free memory while the actor trains, then take its new weights --
 
@@ -493,6 +507,9 @@ class HFEngine:
 
     async def generate_one(self, prompt_ids: list[int], sampling: SamplingConfig, stop: list[str]) -> Generation:
         return await self._batcher.submit(prompt_ids, sampling, stop)
+
+    def reseed(self, seed: int) -> None:  # unseeded calls draw from torch's global stream
+        torch.manual_seed(seed)
 
     def sleep(self) -> None:  # the HF engine keeps its weights; nothing to free
         pass

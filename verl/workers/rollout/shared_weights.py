@@ -12,6 +12,7 @@ until the call returns; the receiver copies them into the model before it does.
 import pickle
 from multiprocessing.reduction import ForkingPickler
 
+import torch
 import torch.multiprocessing
 
 
@@ -27,7 +28,13 @@ def pack(named_tensors: list) -> bytes:
 class SharedWeightsReceiver:
     """Mixed into vLLM's worker class (`LLM(worker_extension_cls=...)`); reached through
     `LLM.collective_rpc("load_shared_weights", args=(pack(...),))` and
-    `LLM.collective_rpc("refresh_tied_output_layer")`."""
+    `LLM.collective_rpc("refresh_tied_output_layer")`; it also carries `reseed`, the one call into
+    the worker that is not about weights."""
+
+    def reseed(self, seed: int) -> None:
+        """Seed the worker's torch generators (CPU and every GPU), which vLLM's sampler draws from for
+        requests without a seed of their own, as vLLM seeds them at start-up."""
+        torch.manual_seed(seed)
 
     def load_shared_weights(self, payload: bytes) -> None:
         self.reload_weights(weights_iterator=pickle.loads(payload))
