@@ -217,10 +217,11 @@ class RolloutConfig:
                                 "auto: continuous with vLLM on a GPU, else sync (benchmarks/RESULTS.md)")
     request_seeds: bool = key(True, "each rollout request samples from a seed of its own (from the step's, the "
                                     "trajectory's and the turn's), so its draws do not depend on the batch "
-                                    "around it; vLLM then draws every seeded request's noise separately at each "
-                                    "engine step. false: the step's seed re-seeds each engine once and all "
-                                    "requests draw together, so a resumed step repeats its samples only where "
-                                    "its requests form the same batches (benchmarks/RESULTS.md)")
+                                    "around it. false: the step's seed re-seeds each engine once and the "
+                                    "requests draw from its streams, so a resumed step repeats its samples only "
+                                    "where its requests arrive in the same order (and, with vLLM's first model "
+                                    "runner, form the same batches). vLLM's GPU default for dense models draws "
+                                    "every request's noise in one kernel either way (benchmarks/RESULTS.md)")
     admit_every_steps: int = key(32, "continuous schedule: engine steps between admissions, when the turns that "
                                      "are ready join the running batch together")
     max_cudagraph_capture_size: int | None = key(2048, "vLLM: tokens of the largest engine step run as a CUDA "

@@ -1,8 +1,8 @@
 """Weight pushes from CUDA tensors into vLLM on a GPU: in-process, and into an engine core in a child
-process (CUDA IPC handles, the trainer's rollout.engine_core=separate), and `reseed` in both; and the
-profile of such an engine core (the trainer's profile_steps) summed up per rollout call. Skipped without CUDA or vLLM.
-The push times are printed (pytest -s) as a first reading; benchmarks/bench_grpo_step.py measures
-the trainer's."""
+process (CUDA IPC handles, the trainer's rollout.engine_core=separate), and `reseed` in both, whichever
+of vLLM's model runners samples; and the profile of such an engine core (the trainer's profile_steps)
+summed up per rollout call. Skipped without CUDA or vLLM. The push times are printed (pytest -s) as a
+first reading; benchmarks/bench_grpo_step.py measures the trainer's."""
 
 import gzip
 import json
@@ -52,18 +52,19 @@ generate()
 [trace] = engine.stop_profile(out + "/step1_policy0_engine")
 files = profiler.stop(out + "/step1_policy0", engine_trace=trace)
 engine.shutdown()
-print("RESULT", json.dumps(files + [trace]), flush=True)
+v2 = engine.llm.llm_engine.vllm_config.use_v2_model_runner  # names no parts of its steps
+print("RESULT", json.dumps(files + [trace, v2]), flush=True)
 """
 
 
 def test_a_separate_engine_cores_profile_is_summed_up_per_rollout_call(tiny_model_dir, tmp_path):
     if reason := vllm_skip_reason():
         pytest.skip(reason)
-    _, table, engine = run_script(PROFILE_SCRIPT, tiny_model_dir, str(tmp_path))
+    _, table, engine, v2_runner = run_script(PROFILE_SCRIPT, tiny_model_dir, str(tmp_path))
     events = json.loads(gzip.decompress(Path(engine).read_bytes()))["traceEvents"]
     assert any(e.get("cat") == "kernel" for e in events)   # the engine's kernels, recorded in its own process
     text = Path(table).read_text()
     row = text.split("What the engine core did during each rollout call")[1].splitlines()[2].split()
     print(text.split("\n\n")[0] + "\n" + "\n".join(text.split("\n\n")[1].splitlines()[:3]))
     assert row[0] == "generate" and float(row[2]) > 0 and int(row[3]) > 0   # GPU busy, model steps
-    assert "gpu_model_runner: sample" in text   # vLLM's named parts of the steps
+    assert ("gpu_model_runner: sample" in text) != v2_runner   # vLLM's named parts of the steps, where it names them

@@ -19,9 +19,12 @@ arrive within a few milliseconds of each other are served by one batched `genera
 
 Seeding, two ways. `SamplingConfig.seed` gives every request a seed of its own (a row's, or the agent
 loop's per trajectory and turn), so a request's random draws do not depend on the requests beside
-it; vLLM then draws each seeded request's noise separately, one small GPU operation per request and
-engine step. `reseed(seed)` instead re-seeds the engine's one sampling stream, from which all
-unseeded requests draw together (the trainer's `rollout.request_seeds=false`). vLLM on CPU rejects a
+it. `reseed(seed)` instead re-seeds the engine's random streams, from which the unseeded requests
+draw (the trainer's `rollout.request_seeds=false`). What either costs depends on vLLM's model runner:
+the first one draws each seeded request's noise separately, one small operation per request and
+engine step, and all unseeded requests' noise together; the second (recent vLLM's GPU default for
+dense models) draws every request's noise in one kernel from a seed per request, picking one from
+NumPy's stream for a request that has none, so there the two ways cost the same. vLLM on CPU rejects a
 per-request seed ("CPU Generator does not use offset"): there `SamplingConfig.seed` is ignored with
 a warning, and only the construction seed and `reseed` apply.
 """
@@ -365,7 +368,7 @@ class VLLMEngine:
             self._live.clear()
 
     def reseed(self, seed: int) -> None:
-        """Re-seed the sampling stream that requests without a seed of their own draw from, in every
+        """Re-seed the random streams that requests without a seed of their own draw from, in every
         worker of the engine (the engine core's process too)."""
         self.llm.collective_rpc("reseed", args=(seed,))
 

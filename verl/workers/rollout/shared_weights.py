@@ -10,8 +10,10 @@ until the call returns; the receiver copies them into the model before it does.
 """
 
 import pickle
+import random
 from multiprocessing.reduction import ForkingPickler
 
+import numpy as np
 import torch
 import torch.multiprocessing
 
@@ -32,8 +34,12 @@ class SharedWeightsReceiver:
     the worker that is not about weights."""
 
     def reseed(self, seed: int) -> None:
-        """Seed the worker's torch generators (CPU and every GPU), which vLLM's sampler draws from for
-        requests without a seed of their own, as vLLM seeds them at start-up."""
+        """Seed the worker's random streams as vLLM seeds them at start-up. A request without a seed of
+        its own draws from them: from torch's generators (CPU and every GPU) in vLLM's first model
+        runner, which on CPU is the only one; from NumPy's, which picks the request's seed when it
+        arrives, in its second (recent vLLM's GPU default for dense models)."""
+        random.seed(seed)
+        np.random.seed(seed)
         torch.manual_seed(seed)
 
     def load_shared_weights(self, payload: bytes) -> None:
