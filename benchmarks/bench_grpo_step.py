@@ -154,6 +154,8 @@ def main(argv=None):
                "step": row["step"], "phases_s": phases,
                **{k: round(row[k], 4) for k in ("reward/mean", "grad_norm", "kl_loss", "response/length",
                                                  "agent/searches", "agent/turns", "agent/retrieval_s",
+                                                 "agent/finish_length", "rollout/done_s_p50", "rollout/done_s_p90",
+                                                 "rollout/done_s_max",
                                                  "response/observation_tokens",
                                                  "throughput/generated_tokens_per_s",
                                                  "throughput/train_tokens_per_s", "throughput/mfu_actor_update",

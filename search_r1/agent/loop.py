@@ -66,7 +66,7 @@ class Trajectory(_Trajectory):
     def stats(self) -> TrajectoryStats:
         return TrajectoryStats(
             str(self.finish), len(self.response_ids), sum(self.loss_mask), tool_calls=self.searches,
-            tool_failed=self.retrieval_failed,
+            tool_failed=self.retrieval_failed, done_s=self.done_s,
             # retrieval_s: seconds this trajectory waited for passages (overlapped with others' turns)
             metrics={"turns": self.turns, "searches": self.searches, "valid_actions": self.valid_actions,
                      "invalid_actions": self.invalid_actions, "retrieval_s": round(self.retrieval_s, 4)})

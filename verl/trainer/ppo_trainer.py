@@ -231,6 +231,11 @@ class PPOTrainer:
             metrics[f"agent/{name}"] = float(np.mean([s.metrics[name] for s in stats if name in s.metrics]))
         for reason in {s.finish for s in stats}:
             metrics[f"agent/finish_{reason}"] = float(np.mean([s.finish == reason for s in stats]))
+        # When trajectories ended (each on its worker's clock): the step waits for the last one, so
+        # max − p90 is what the slowest tenth costs the rollout.
+        if done := [s.done_s for s in stats if s.done_s is not None]:
+            for name, q in (("p50", 50), ("p90", 90), ("max", 100)):
+                metrics[f"rollout/done_s_{name}"] = float(np.percentile(done, q))
         metrics[NO_ACTION] = float(np.mean([s.tool_calls == 0 and not (a if a is not None else s.finish == "answer")
                                             for s, a in zip(stats, answered)]))
         # Groups whose rewards are all equal give GRPO no signal (their advantages are 0).

@@ -163,6 +163,15 @@ def test_finish_reasons(tokenizer, schedule):
         assert len(t.response_ids) == len(t.loss_mask) <= 200
 
 
+@pytest.mark.parametrize("schedule", list(Schedule))
+def test_each_trajectory_notes_when_it_ended(tokenizer, schedule):
+    """done_s: seconds from the rollout's start to the trajectory's end (the trainer's rollout/done_s_*)."""
+    scripts = {"A:": ["<answer> now </answer>"], "B:": ["<search> x </search>", "<answer> later </answer>"]}
+    (a, b), _ = run(tokenizer, scripts, DictSearcher(delay=0.3), schedule)
+    assert 0 <= a.done_s < 0.3 <= b.done_s   # B waited for its search, A did not
+    assert b.stats().done_s == b.done_s and b.stats().as_row()["done_s"] == b.done_s
+
+
 def test_observation_truncated_keeps_closing_tag(tokenizer):
     searcher = DictSearcher({"q": "long passage " * 200})
     (t,), _ = run(tokenizer, {"Q:": ["<search>q</search>", "<answer>a</answer>"]}, searcher,
@@ -241,7 +250,7 @@ def test_slow_retriever_hits_overall_timeout(tokenizer):
     t0 = time.monotonic()
     (t,), _ = run(tokenizer, {"Q:": ["<search> x </search>", "<answer> a </answer>"]}, searcher,
                   Schedule.ASYNC, timeout_s=0.5)
-    assert time.monotonic() - t0 < 3 and t.finish == Finish.TIMEOUT
+    assert time.monotonic() - t0 < 3 and t.finish == Finish.TIMEOUT and 0.5 <= t.done_s < 3
 
 
 @pytest.mark.parametrize("schedule", [Schedule.ASYNC, Schedule.CONTINUOUS])

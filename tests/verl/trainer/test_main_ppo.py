@@ -99,6 +99,8 @@ def test_grpo_two_steps(grpo_two_steps):
         # one optimizer step on the step's own samples: no separate old-log-prob pass (actor.old_log_probs=auto)
         assert "timing_s/old_log_probs" not in r and r["clipfrac"] == 0
         assert r["grad_norm"] > 0 and r["reward/mean"] > 0  # the policy really moved
+        # when the trajectories ended, within the rollout that waited for them
+        assert 0 < r["rollout/done_s_p50"] <= r["rollout/done_s_p90"] <= r["rollout/done_s_max"] < r["timing_s/rollout"]
     assert steps[1]["kl_loss"] > 0  # step 2 samples come from the updated policy, unlike the reference
     assert "val/reward/em" in rows[0]
     for rank in (0, 1):  # the engine core's own trace of the profiled step, summed up in the worker's table

@@ -39,11 +39,13 @@ class TrajectoryStats:
     tool_calls: int = 0               # tool calls it made
     tool_failed: bool = False         # a tool call failed: it saw an error instead of the tool's output
     metrics: dict[str, float] = field(default_factory=dict)  # the loop's own, logged as means: agent/<name>
+    done_s: float | None = None       # seconds from its worker's rollout start until it ended, where the loop says
 
     def as_row(self) -> dict:
         """One flat dict, as the samples files and the evaluation's records store it."""
+        timing = {} if self.done_s is None else {"done_s": self.done_s}
         return {"finish": self.finish, "response_tokens": self.response_tokens, "model_tokens": self.model_tokens,
-                "tool_calls": self.tool_calls, "tool_failed": self.tool_failed, **self.metrics}
+                "tool_calls": self.tool_calls, "tool_failed": self.tool_failed, **self.metrics, **timing}
 
 
 class Trajectory(Protocol):

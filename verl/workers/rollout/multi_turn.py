@@ -79,6 +79,7 @@ class Trajectory:
     invalid_actions: int = 0          # turns that asked in a way the loop could not read
     tool_failed: bool = False         # a tool call failed: the model saw an error instead
     tool_s: float = 0.0               # seconds this trajectory waited for tools
+    done_s: float | None = None       # seconds from the rollout's start until it ended
     metrics: dict[str, float] = field(default_factory=dict)  # an agent's own per-trajectory counts
     # The engine's log-prob of each response token as sampled (0 on observations); None once a
     # turn came without them (the engine was not asked: SamplingConfig.logprobs).
@@ -103,7 +104,7 @@ class Trajectory:
     def stats(self) -> TrajectoryStats:
         return TrajectoryStats(
             str(self.finish), len(self.response_ids), sum(self.loss_mask), tool_calls=self.tool_calls,
-            tool_failed=self.tool_failed,
+            tool_failed=self.tool_failed, done_s=self.done_s,
             metrics={"turns": self.turns, "tool_calls": self.tool_calls, "valid_actions": self.valid_actions,
                      "invalid_actions": self.invalid_actions, "tool_s": round(self.tool_s, 4), **self.metrics})
 
@@ -120,6 +121,7 @@ class MultiTurnAgent:
         # Optional callback(trajectory, kind, token_ids) as the rollout goes: kind is "model"
         # (a turn's tokens) or "observation"; infer.py uses it to show progress live.
         self.on_event = on_event or (lambda *a: None)
+        self._started = time.monotonic()  # reset by each run
 
     # -- what a subclass defines -----------------------------------------------------------------
 
@@ -150,15 +152,24 @@ class MultiTurnAgent:
         t.append(gen.token_ids, model=True, logprobs=gen.logprobs)
         self.on_event(t, "model", gen.token_ids)
         t.turns += 1
-        return self.parse_turn(t, gen, context, last_turn)
+        request = self.parse_turn(t, gen, context, last_turn)
+        self._stamp_if_done(t)
+        return request
 
     def _add_observation(self, t: Trajectory, request, result):
         ids = self.observation_ids(t, request, result)
         if len(t.response_ids) + len(ids) >= self.cfg.max_response_tokens:
             t.finish = Finish.LENGTH  # no room left to read it and answer: cut here
+            self._stamp_if_done(t)
             return
         t.append(ids, model=False)
         self.on_event(t, "observation", ids)
+
+    def _stamp_if_done(self, t: Trajectory):
+        """When a trajectory ends, note how long into the rollout: the spread of these times is what the
+        rollout's slowest trajectories cost the step (the trainer's rollout/done_s_* quantiles)."""
+        if t.done and t.done_s is None:
+            t.done_s = round(time.monotonic() - self._started, 4)
 
     def _timed_run_tools(self, ts: list[Trajectory], requests: list) -> list:
         t0 = time.perf_counter()
@@ -180,6 +191,7 @@ class MultiTurnAgent:
 
     def run(self, prompts: list[list[int]], sampling: SamplingConfig) -> list[Trajectory]:
         trajectories = [self.trajectory_cls(list(p), index=i) for i, p in enumerate(prompts)]
+        self._started = time.monotonic()
         if self.cfg.schedule == Schedule.ASYNC:
             asyncio.run(self._run_async(trajectories, sampling))
         elif self.cfg.schedule == Schedule.CONTINUOUS:
@@ -192,6 +204,7 @@ class MultiTurnAgent:
         for t in trajectories:
             if not t.done:
                 t.finish = Finish.TIMEOUT
+                self._stamp_if_done(t)
         return trajectories
 
     def _run_sync(self, trajectories: list[Trajectory], sampling: SamplingConfig):
