@@ -121,7 +121,6 @@ class MultiTurnAgent:
         # Optional callback(trajectory, kind, token_ids) as the rollout goes: kind is "model"
         # (a turn's tokens) or "observation"; infer.py uses it to show progress live.
         self.on_event = on_event or (lambda *a: None)
-        self._started = time.monotonic()  # reset by each run
 
     # -- what a subclass defines -----------------------------------------------------------------
 
