@@ -15,8 +15,8 @@ before calling a change to a GPU path done. Parts:
 - demo-rl-only    the same with `--preset rl-only` (no SFT; the response begun with `<think>`, a
                   `<think>` opened after each observation, the format paid only after a search,
                   Dr.GRPO advantages)
-- grpo-0.5b       one GRPO step of a Qwen2.5-0.5B-shaped model through `verl.trainer.main_ppo` (Ray),
-                  two optimizer steps in it
+- grpo-0.5b       two GRPO steps of a Qwen2.5-0.5B-shaped model through `verl.trainer.main_ppo` (Ray),
+                  two optimizer steps in each; the second rollout follows a weight sync
 - grpo-0.5b-overlap  two such steps with `trainer.overlap_rollout=true` (the second trains on the
                   batch generated during the first)
 - dense-server    `search-r1 index build` on the GPU and `search-r1 serve` over that dense index,
@@ -112,13 +112,13 @@ def parts(out: Path, gpu_count: int, tokenizer: str) -> list[Part]:
         eval_part("separate"),
         eval_part("in_process", "--kv-cache-gib", 2),   # a fixed KV cache, as on a GPU shared with other runs
         # two mini-batches: the update computes the second one's old log-probs (actor.old_log_probs=auto)
-        Part("grpo-0.5b", 1, [sh(PY, ROOT / "benchmarks" / "bench_grpo_step.py", "--shape", "0.5b", "--steps", 1,
+        Part("grpo-0.5b", 1, [sh(PY, ROOT / "benchmarks" / "bench_grpo_step.py", "--shape", "0.5b", "--steps", 2,
                                  "--prompts", 8, "--n", 4, "--mini-batches", 2, "--max-turns", 2, "--search-every", 100,
                                  "--workdir", out / "grpo", "--out", out / "grpo.jsonl",
                                  # the trainer's defaults, which the bench pins to its earlier settings
                                  "actor_rollout_ref.actor.entropy_coeff=0.001",
                                  "actor_rollout_ref.rollout.top_p=0.95")],
-             lambda: expect_rows(out / "grpo.jsonl", 1)),
+             lambda: expect_rows(out / "grpo.jsonl", 2)),
         # the next step's rollout in a thread beside training (trainer.overlap_rollout): two steps,
         # so that the second trains on the batch generated during the first
         Part("grpo-0.5b-overlap", 1, [sh(PY, ROOT / "benchmarks" / "bench_grpo_step.py", "--shape", "0.5b",

@@ -307,15 +307,18 @@ class PolicyWorker(ProfiledWorker):
 
     @phase
     def sync_weights(self) -> float:
-        """Push the actor's current weights into the rollout engine, in memory."""
+        """Push the actor's current weights into the rollout engine, in memory. The engine stays awake:
+        what the trainer runs on it next is the rollout (or a validation), which would wake it again at
+        once; rollout.sleep_after_sync=true puts it back to sleep."""
         from verl.workers.distributed import full_state_dict_iter
         t0 = time.perf_counter()
         self.wake_rollout()
+        rollout = self.cfg.actor_rollout_ref.rollout
         # Gathered in the engine's dtype (bf16 on GPU: half the bytes of the fp32 master weights).
-        with explain_out_of_memory("pushing the actor's weights into the rollout engine",
-                                   self.cfg.actor_rollout_ref.rollout):
+        with explain_out_of_memory("pushing the actor's weights into the rollout engine", rollout):
             self.engine.load_weights(full_state_dict_iter(self.actor.model, dtype=self.engine.dtype))
-        self.sleep_rollout()
+        if rollout.sleep_after_sync:
+            self.sleep_rollout()
         return time.perf_counter() - t0
 
     def shutdown(self) -> None:

@@ -200,6 +200,8 @@ class RolloutConfig:
                                            "a GPU")
     enable_sleep: bool = key(True, "vLLM on a GPU: free the engine's memory (KV cache, weights) while the actor "
                                    "trains")
+    sleep_after_sync: bool = key(False, "with enable_sleep: put the engine back to sleep after each weight sync; "
+                                        "false keeps it awake into the next rollout (one wake and sleep a step fewer)")
     log_prob_micro_batch_size: int = key(128, "the original's micro-batch of the old log-probs: checked to be a "
                                               "positive multiple of the workers, otherwise unused (old log-probs "
                                               "run in actor.ppo_micro_batch_size micro-batches)")

@@ -80,6 +80,59 @@ def test_the_steps_seed_seeds_each_request_or_the_engine_once(tiny_model_dir, re
                                 ("reseed", 6), ("generate", None)]
 
 
+class CallLog(SeedLog):
+    """A real engine, with a log of its sleeps, wakes, weight loads and generations."""
+
+    def wake(self):
+        self.calls.append("wake")
+
+    def sleep(self):
+        self.calls.append("sleep")
+
+    def load_weights(self, named_tensors):
+        self.calls.append("load")
+        self.engine.load_weights(named_tensors)
+
+    def generate(self, prompts, sampling, stop):
+        self.calls.append("generate")
+        return self.engine.generate(prompts, sampling, stop)
+
+
+@pytest.mark.parametrize("sleep_after_sync", [False, True])
+def test_the_engine_stays_awake_from_the_weight_sync_into_the_rollout(tiny_model_dir, sleep_after_sync):
+    """rollout.sleep_after_sync: by default a weight sync leaves the engine awake for the rollout that
+    follows (one wake and one sleep a step fewer); true puts it to sleep in between. Either way the
+    rollout samples with the synced weights, and the engine sleeps while the actor trains."""
+    from types import SimpleNamespace
+
+    from transformers import AutoModelForCausalLM
+
+    from verl.workers.rollout.agent_loop import AgentLoopSettings
+    from verl.workers.rollout.engines import HFEngine
+    from verl.workers.rollout.single_turn import SingleTurnLoop
+    engine = CallLog(HFEngine(tiny_model_dir))
+    actor_model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    with torch.no_grad():
+        for param in actor_model.parameters():  # the actor's update
+            param.add_(0.01)
+    worker = object.__new__(PolicyWorker)  # the fields generate and sync_weights read
+    worker.cfg = TrainerConfig()
+    worker.cfg.actor_rollout_ref.rollout.sleep_after_sync = sleep_after_sync
+    worker.engine, worker.tokenizer, worker._asleep = engine, engine.tokenizer, True  # as setup leaves it
+    worker.actor = SimpleNamespace(model=actor_model)
+    worker.agent = SingleTurnLoop(engine, AgentLoopSettings(max_tokens_per_turn=4))
+    prompts = [engine.tokenizer("capital of France?").input_ids] * 2
+
+    worker.generate(prompts, [0, 0], 1.0, 1.0, 4, seed=1)
+    worker.sync_weights()
+    worker.generate(prompts, [0, 0], 1.0, 1.0, 4, seed=2)
+    between = ["sleep", "wake"] if sleep_after_sync else []
+    assert engine.calls == ["wake", "generate", "sleep", "wake", "load", *between, "generate", "sleep"]
+    assert worker._asleep
+    synced = dict(actor_model.named_parameters())
+    assert all(torch.equal(p, synced[name]) for name, p in engine.engine.model.named_parameters())
+
+
 class EngineOutOfMemory:
     def __init__(self, error: Exception):
         self.error = error
