@@ -244,10 +244,10 @@ class PolicyWorker(ProfiledWorker):
 
     # -- rollout -------------------------------------------------------------------------------
 
-    def sleep_rollout(self):
+    def sleep_rollout(self, drop_weights: bool = False):
         if not self._asleep:
             try:
-                self.engine.sleep()
+                self.engine.sleep(drop_weights=drop_weights)
             except Exception as error:
                 raise shared_gpu_error(error) from error
             self._asleep = True
@@ -260,12 +260,15 @@ class PolicyWorker(ProfiledWorker):
 
     @phase
     def generate(self, prompts: list[list[int]], group_ids: list[int], temperature: float,
-                 top_p: float, max_tokens: int, seed: int | None = None, logprobs: bool = False) -> RolloutBatch:
+                 top_p: float, max_tokens: int, seed: int | None = None, logprobs: bool = False,
+                 weights_follow: bool = False) -> RolloutBatch:
         """The agent loop over `prompts`; `seed` (the step's, for this worker) makes its samples the
         same in a resumed run as in an uninterrupted one: each request's own (vLLM on CPU ignores
         those), or with rollout.request_seeds=false the engine's one stream, re-seeded here, which
         repeats where the requests reach the engine in the same batches. `logprobs`: keep the
-        engine's log-prob of every sampled token (batch.rollout_logprobs_BR)."""
+        engine's log-prob of every sampled token (batch.rollout_logprobs_BR). `weights_follow`: the
+        actor's new weights are pushed before the engine generates again, so with
+        rollout.sleep_level=2 it sleeps without its weights."""
         from verl.workers.rollout.engines import SamplingConfig
         self.wake_rollout()
         rollout = self.cfg.actor_rollout_ref.rollout
@@ -275,7 +278,7 @@ class PolicyWorker(ProfiledWorker):
         bias = rollout.logit_bias or None
         trajectories = self.agent.run(prompts, SamplingConfig(temperature, top_p, max_tokens, seed=seed,
                                                               logit_bias=bias, logprobs=logprobs))
-        self.sleep_rollout()
+        self.sleep_rollout(drop_weights=weights_follow and rollout.sleep_level == 2)
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         batch = pack_trajectories(prompts, [t.response_ids for t in trajectories],
                                   [t.loss_mask for t in trajectories], group_ids, pad)

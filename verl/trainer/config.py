@@ -200,6 +200,11 @@ class RolloutConfig:
                                            "a GPU")
     enable_sleep: bool = key(True, "vLLM on a GPU: free the engine's memory (KV cache, weights) while the actor "
                                    "trains")
+    sleep_level: int = key(1, "with enable_sleep, where the engine's weights go while it sleeps after a training "
+                              "rollout: 1 copies them to host memory and back; 2 drops them, as the actor's new "
+                              "weights are pushed before the engine runs again (no copy either way, no host "
+                              "memory). Other sleeps (after a validation, or a rollout no update follows) keep "
+                              "them")
     sleep_after_sync: bool = key(False, "with enable_sleep: put the engine back to sleep after each weight sync; "
                                         "false keeps it awake into the next rollout (one wake and sleep a step fewer)")
     log_prob_micro_batch_size: int = key(128, "the original's micro-batch of the old log-probs: checked to be a "
@@ -501,6 +506,9 @@ def _check_original_keys(cfg: TrainerConfig) -> None:
     if cfg.actor_rollout_ref.rollout.n != 1:
         raise ConfigError(f"actor_rollout_ref.rollout.n={cfg.actor_rollout_ref.rollout.n}: samples per prompt are "
                           "set by actor_rollout_ref.rollout.n_agent (as in the original Search-R1 scripts)")
+    if cfg.actor_rollout_ref.rollout.sleep_level not in (1, 2):
+        raise ConfigError(f"actor_rollout_ref.rollout.sleep_level={cfg.actor_rollout_ref.rollout.sleep_level}: "
+                          "1 (the engine's weights kept in host memory while it sleeps) or 2 (dropped)")
     if cfg.algorithm.no_think_rl:
         raise ConfigError("algorithm.no_think_rl=true is not supported (the original stopped at the first step "
                           "with it): remove the key or set it to false")

@@ -107,9 +107,11 @@ class PPOTrainer:
         t = Timer()
         n = self.cfg.actor_rollout_ref.rollout.n_agent
         generated_ahead = self.ahead is not None and self.ahead.batch is not None  # during the last step
+        # trainer.critic_warmup: the critic learns alone until then (self.step counts finished steps)
+        actor_learns = self.step + 1 >= self.cfg.trainer.critic_warmup
         with t("rollout"):
             batch = self.ahead.batch if generated_ahead else self.rollout(
-                examples, n, greedy=False, logprobs=self.cfg.trainer.overlap_rollout)
+                examples, n, greedy=False, logprobs=self.cfg.trainer.overlap_rollout, weights_follow=actor_learns)
         self.ahead = self.start_ahead(n)
         batch, balance = self.balance(batch)
         with t("reward"):
@@ -134,8 +136,6 @@ class PPOTrainer:
                 metrics |= _merge_worker_metrics(
                     self.on_parts(self.critic, batch, lambda w, part: w.update_critic.remote(part), "critic update"),
                     prefix="critic/")
-        # trainer.critic_warmup: the critic learns alone until then (self.step counts finished steps)
-        actor_learns = self.step + 1 >= self.cfg.trainer.critic_warmup
         if actor_learns:
             with t("update_actor"):
                 metrics |= _merge_worker_metrics(
@@ -165,9 +165,11 @@ class PPOTrainer:
 
     # -- phases --------------------------------------------------------------------------------
 
-    def rollout_calls(self, examples: list[Example], n: int, greedy: bool, step: int, logprobs: bool) -> list:
+    def rollout_calls(self, examples: list[Example], n: int, greedy: bool, step: int, logprobs: bool,
+                      weights_follow: bool = False) -> list:
         """(worker, arguments of its `generate`) for the rollout of `step` (1-based): the rows, n per
-        example, in equal contiguous parts."""
+        example, in equal contiguous parts. `weights_follow`: this step's update and weight push come
+        before the engines generate again."""
         rows = [e for e in examples for _ in range(n)]
         world = len(self.policy.workers)
         per = -(-len(rows) // world)
@@ -177,11 +179,13 @@ class PPOTrainer:
         # A rollback gives the steps after it fresh seeds.
         seed = (self.cfg.trainer.seed * 1_000_003 + step * 10_007 + self.health.rollbacks * 7_919) % 2**31
         return [(w, ([e.prompt_ids for e in rows[i * per:(i + 1) * per]], [e.index for e in rows[i * per:(i + 1) * per]],
-                     temperature, top_p, self.cfg.data.max_response_length, (seed + 100_003 * i) % 2**31, logprobs))
+                     temperature, top_p, self.cfg.data.max_response_length, (seed + 100_003 * i) % 2**31, logprobs,
+                     weights_follow))
                 for i, w in enumerate(self.policy.workers) if rows[i * per:(i + 1) * per]]
 
-    def rollout(self, examples: list[Example], n: int, greedy: bool, logprobs: bool = False) -> RolloutBatch:
-        calls = self.rollout_calls(examples, n, greedy, self.step + 1, logprobs)
+    def rollout(self, examples: list[Example], n: int, greedy: bool, logprobs: bool = False,
+                weights_follow: bool = False) -> RolloutBatch:
+        calls = self.rollout_calls(examples, n, greedy, self.step + 1, logprobs, weights_follow)
         parts = self.policy.get([w.generate.remote(*args) for w, args in calls], "rollout", self.step)
         return self.with_targets(RolloutBatch.concat(parts), examples, n)
 

@@ -86,8 +86,8 @@ class CallLog(SeedLog):
     def wake(self):
         self.calls.append("wake")
 
-    def sleep(self):
-        self.calls.append("sleep")
+    def sleep(self, drop_weights=False):
+        self.calls.append("sleep, weights dropped" if drop_weights else "sleep")
 
     def load_weights(self, named_tensors):
         self.calls.append("load")
@@ -131,6 +131,27 @@ def test_the_engine_stays_awake_from_the_weight_sync_into_the_rollout(tiny_model
     assert worker._asleep
     synced = dict(actor_model.named_parameters())
     assert all(torch.equal(p, synced[name]) for name, p in engine.engine.model.named_parameters())
+
+
+@pytest.mark.parametrize("sleep_level", [1, 2])
+def test_the_engine_drops_its_weights_in_sleep_only_where_new_ones_follow(tiny_model_dir, sleep_level):
+    """rollout.sleep_level=2: after a training rollout whose update pushes new weights the engine
+    sleeps without them (nothing copied out and back); after any other rollout (validation, the
+    critic's warm-up) it keeps them. Level 1 always keeps them."""
+    from verl.workers.rollout.agent_loop import AgentLoopSettings
+    from verl.workers.rollout.engines import HFEngine
+    from verl.workers.rollout.single_turn import SingleTurnLoop
+    engine = CallLog(HFEngine(tiny_model_dir))
+    worker = object.__new__(PolicyWorker)  # the fields generate reads
+    worker.cfg = TrainerConfig()
+    worker.cfg.actor_rollout_ref.rollout.sleep_level = sleep_level
+    worker.engine, worker.tokenizer, worker._asleep = engine, engine.tokenizer, True
+    worker.agent = SingleTurnLoop(engine, AgentLoopSettings(max_tokens_per_turn=4))
+    prompts = [engine.tokenizer("capital of France?").input_ids] * 2
+    worker.generate(prompts, [0, 0], 1.0, 1.0, 4, seed=1, weights_follow=True)
+    worker.generate(prompts, [0, 0], 0.0, 1.0, 4, seed=1)  # a validation
+    dropped = "sleep, weights dropped" if sleep_level == 2 else "sleep"
+    assert engine.calls == ["wake", "generate", dropped, "wake", "generate", "sleep"]
 
 
 class EngineOutOfMemory:

@@ -30,6 +30,16 @@ def test_profile_steps_count_from_one():
         config("[0]")
 
 
+def test_sleep_level_is_one_or_two():
+    def config(level):
+        base = ["data.train_files=t.parquet", "actor_rollout_ref.model.path=m",
+                f"actor_rollout_ref.rollout.sleep_level={level}"]
+        return load_config(OmegaConf.merge(OmegaConf.load(CONFIG), OmegaConf.from_dotlist(base)))
+    assert config(2).actor_rollout_ref.rollout.sleep_level == 2
+    with pytest.raises(ConfigError, match="actor_rollout_ref.rollout.sleep_level=0"):
+        config(0)
+
+
 def test_logit_bias_takes_token_ids_from_the_command_line():
     from hydra import compose, initialize_config_dir
     base = ["data.train_files=t.parquet", "actor_rollout_ref.model.path=m"]
