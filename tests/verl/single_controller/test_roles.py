@@ -51,20 +51,27 @@ class SeedLog:
         return getattr(self.engine, name)
 
 
+def rollout_worker(engine, asleep: bool, max_tokens: int = 4, **rollout_keys) -> PolicyWorker:
+    """A PolicyWorker with only the fields its generate reads (sync_weights also needs `actor`)."""
+    from verl.workers.rollout.agent_loop import AgentLoopSettings
+    from verl.workers.rollout.single_turn import SingleTurnLoop
+    worker = object.__new__(PolicyWorker)
+    worker.cfg = TrainerConfig()
+    for name, value in rollout_keys.items():
+        setattr(worker.cfg.actor_rollout_ref.rollout, name, value)
+    worker.engine, worker.tokenizer, worker._asleep = engine, engine.tokenizer, asleep
+    worker.agent = SingleTurnLoop(engine, AgentLoopSettings(max_tokens_per_turn=max_tokens))
+    return worker
+
+
 @pytest.mark.parametrize("request_seeds", [True, False])
 def test_the_steps_seed_seeds_each_request_or_the_engine_once(tiny_model_dir, request_seeds):
     """rollout.request_seeds: the step's seed goes with every request, or (false) re-seeds the engine
     before the call and the requests go unseeded. Either way a seed repeats its samples, although
     other work moved torch's global stream in between, and another seed samples differently."""
-    from verl.workers.rollout.agent_loop import AgentLoopSettings
     from verl.workers.rollout.engines import HFEngine
-    from verl.workers.rollout.single_turn import SingleTurnLoop
     engine = SeedLog(HFEngine(tiny_model_dir))
-    worker = object.__new__(PolicyWorker)  # the fields generate reads
-    worker.cfg = TrainerConfig()
-    worker.cfg.actor_rollout_ref.rollout.request_seeds = request_seeds
-    worker.engine, worker.tokenizer, worker._asleep = engine, engine.tokenizer, False
-    worker.agent = SingleTurnLoop(engine, AgentLoopSettings(max_tokens_per_turn=12))
+    worker = rollout_worker(engine, asleep=False, max_tokens=12, request_seeds=request_seeds)
     prompts = [engine.tokenizer(q).input_ids for q in ("capital of France?", "who wrote Hamlet?")] * 2
 
     def sample(seed):
@@ -107,20 +114,14 @@ def test_the_engine_stays_awake_from_the_weight_sync_into_the_rollout(tiny_model
 
     from transformers import AutoModelForCausalLM
 
-    from verl.workers.rollout.agent_loop import AgentLoopSettings
     from verl.workers.rollout.engines import HFEngine
-    from verl.workers.rollout.single_turn import SingleTurnLoop
     engine = CallLog(HFEngine(tiny_model_dir))
     actor_model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     with torch.no_grad():
         for param in actor_model.parameters():  # the actor's update
             param.add_(0.01)
-    worker = object.__new__(PolicyWorker)  # the fields generate and sync_weights read
-    worker.cfg = TrainerConfig()
-    worker.cfg.actor_rollout_ref.rollout.sleep_after_sync = sleep_after_sync
-    worker.engine, worker.tokenizer, worker._asleep = engine, engine.tokenizer, True  # as setup leaves it
+    worker = rollout_worker(engine, asleep=True, sleep_after_sync=sleep_after_sync)  # asleep, as setup leaves it
     worker.actor = SimpleNamespace(model=actor_model)
-    worker.agent = SingleTurnLoop(engine, AgentLoopSettings(max_tokens_per_turn=4))
     prompts = [engine.tokenizer("capital of France?").input_ids] * 2
 
     worker.generate(prompts, [0, 0], 1.0, 1.0, 4, seed=1)
@@ -138,15 +139,9 @@ def test_the_engine_drops_its_weights_in_sleep_only_where_new_ones_follow(tiny_m
     """rollout.sleep_level=2: after a training rollout whose update pushes new weights the engine
     sleeps without them (nothing copied out and back); after any other rollout (validation, the
     critic's warm-up) it keeps them. Level 1 always keeps them."""
-    from verl.workers.rollout.agent_loop import AgentLoopSettings
     from verl.workers.rollout.engines import HFEngine
-    from verl.workers.rollout.single_turn import SingleTurnLoop
     engine = CallLog(HFEngine(tiny_model_dir))
-    worker = object.__new__(PolicyWorker)  # the fields generate reads
-    worker.cfg = TrainerConfig()
-    worker.cfg.actor_rollout_ref.rollout.sleep_level = sleep_level
-    worker.engine, worker.tokenizer, worker._asleep = engine, engine.tokenizer, True
-    worker.agent = SingleTurnLoop(engine, AgentLoopSettings(max_tokens_per_turn=4))
+    worker = rollout_worker(engine, asleep=True, sleep_level=sleep_level)
     prompts = [engine.tokenizer("capital of France?").input_ids] * 2
     worker.generate(prompts, [0, 0], 1.0, 1.0, 4, seed=1, weights_follow=True)
     worker.generate(prompts, [0, 0], 0.0, 1.0, 4, seed=1)  # a validation
