@@ -193,16 +193,50 @@ def last_line(log: Path) -> str:
     return next((ln for ln in reversed(lines) if ln), "")[:200]
 
 
+def left_in_session(session: int) -> list[str]:
+    """The command lines of the live processes still in process group `session` (a part's command
+    runs as the leader of its own session and group)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            state, _, group = stat.read_text().rsplit(")", 1)[1].split()[:3]
+            if int(group) == session and state not in "ZX":
+                found.append((stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                             .strip()[:120])
+        except (OSError, ValueError):
+            continue   # it ended meanwhile
+    return found
+
+
+def end_leftovers(session: int, grace_s: float = 10.0) -> list[str]:
+    """End what a part's command left running after it exited (an engine core, a Ray process): it
+    would share the next part's GPUs and CPUs. Returns their command lines, for the verdict."""
+    left = left_in_session(session)
+    if left:
+        for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+            try:
+                os.killpg(session, sig)
+            except ProcessLookupError:
+                break
+            deadline = time.time() + wait_s
+            while left_in_session(session) and time.time() < deadline:
+                time.sleep(0.2)
+            if not left_in_session(session):
+                break
+    return left
+
+
 def run_part(part: Part, devices: list[int], out: Path,
              timeout: float | None = None) -> tuple[str, bool, float, str]:
     """Run a part's commands on `devices`; past `timeout` seconds its process session (engines and
-    Ray with it) is ended and the part fails, naming the last line its log reached."""
+    Ray with it) is ended and the part fails, naming the last line its log reached. What a command
+    leaves running when it exits is ended too, and named in the verdict (the part may still pass)."""
     # `devices` index the GPUs this script sees, which CUDA_VISIBLE_DEVICES may already narrow
     visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")
     names = [visible[d] if visible[0] else str(d) for d in devices]
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(names),
            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    start, error = time.perf_counter(), None
+    start, error, leftovers = time.perf_counter(), None, []
     log_path = out / f"{part.name}.log"
     with open(log_path, "w") as log:
         for cmd in part.commands:
@@ -230,11 +264,15 @@ def run_part(part: Part, devices: list[int], out: Path,
                     error = f"timed out after {timeout:.0f} s; its log ended on: {last_line(log_path)}"
                 finally:
                     LIVE.discard(proc)
+                if stray := end_leftovers(proc.pid):
+                    log.write(f"# ended {len(stray)} processes the command left running: {stray}\n")
+                    leftovers += stray
             if error:
                 break
     if error is None and part.check is not None:
         error = part.check()
-    return part.name, error is None, time.perf_counter() - start, error or ""
+    note = f"ended {len(leftovers)} processes it left running: {', '.join(leftovers)[:300]}" if leftovers else ""
+    return part.name, error is None, time.perf_counter() - start, "; ".join(filter(None, [error, note]))
 
 
 def run_all(todo: list[Part], gpu_count: int, lanes: int, out: Path, timeout: float | None) -> list[bool]:

@@ -68,6 +68,19 @@ def test_a_part_past_its_time_fails_naming_its_last_log_line_and_leaves_nothing_
     assert not _alive(int((tmp_path / "slow.pid").read_text()))
 
 
+def test_what_a_finished_command_left_running_is_ended_and_named(tmp_path, capsys):
+    """A command that exits while a child it started runs on (an engine core or a Ray process its
+    program failed to stop) would share the next part's GPU: the part ends it and says so."""
+    stray = smoke.Part("stray", 1, [smoke.sh("bash", "-c", f"sleep 120 & echo $! > {tmp_path}/stray.pid; echo done")])
+    clean = smoke.Part("clean", 1, [smoke.sh("bash", "-c", "echo fine")])
+    assert smoke.run_all([stray, clean], gpu_count=1, lanes=1, out=tmp_path, timeout=60) == [True, True]
+    out = capsys.readouterr().out
+    assert "PASS  stray" in out and "ended 1 processes it left running: sleep 120" in out
+    assert "PASS  clean" in out and "ended" not in out.split("PASS  clean")[1]
+    assert not _alive(int((tmp_path / "stray.pid").read_text()))
+    assert "ended 1 processes the command left running" in (tmp_path / "stray.log").read_text()
+
+
 def test_sigterm_gives_every_part_a_verdict_and_ends_the_running_ones(tmp_path):
     """The script under a wrapper's `timeout`: before, the wrapper's kill left no verdict at all."""
     code = (f"import sys, signal; sys.path.insert(0, {str(SCRIPT.parent)!r}); import gpu_smoke as s; "
