@@ -1,8 +1,9 @@
 """Weight pushes from CUDA tensors into vLLM on a GPU: in-process, and into an engine core in a child
 process (CUDA IPC handles, the trainer's rollout.engine_core=separate), and `reseed` in both, whichever
 of vLLM's model runners samples; sleep mode's two levels (rollout.sleep_level); and the profile of such
-an engine core (the trainer's profile_steps) summed up per rollout call. Skipped without CUDA or vLLM. The push times are printed (pytest -s) as a
-first reading; benchmarks/bench_grpo_step.py measures the trainer's."""
+an engine core (the trainer's profile_steps) summed up per rollout call. Skipped without CUDA or vLLM.
+The push times are printed (pytest -s) as a first reading; benchmarks/bench_grpo_step.py measures the
+trainer's."""
 
 import gzip
 import json
