@@ -211,18 +211,17 @@ def left_in_session(session: int) -> list[str]:
 def end_leftovers(session: int, grace_s: float = 10.0) -> list[str]:
     """End what a part's command left running after it exited (an engine core, a Ray process): it
     would share the next part's GPUs and CPUs. Returns their command lines, for the verdict."""
-    left = left_in_session(session)
-    if left:
-        for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
-            try:
-                os.killpg(session, sig)
-            except ProcessLookupError:
-                break
-            deadline = time.time() + wait_s
-            while left_in_session(session) and time.time() < deadline:
-                time.sleep(0.2)
-            if not left_in_session(session):
-                break
+    left = alive = left_in_session(session)
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+        if not alive:
+            break
+        try:
+            os.killpg(session, sig)
+        except ProcessLookupError:
+            break
+        deadline = time.time() + wait_s
+        while (alive := left_in_session(session)) and time.time() < deadline:
+            time.sleep(0.2)
     return left
 
 
