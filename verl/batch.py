@@ -97,6 +97,31 @@ def balanced_order(tokens: list[int], parts: int) -> list[int]:
     return [i for part in members for i in sorted(part)]
 
 
+def token_budget_parts(tokens: list[int], max_tokens: int, parts: int | None = None) -> list[list[int]]:
+    """Row indices of micro-batches holding at most `max_tokens` tokens each, as few as that allows
+    (`parts`: exactly that many, e.g. a count all ranks agreed on). Longest rows first, each to the
+    part with the fewest tokens, so parts come out nearly even. A row longer than the budget gets a
+    part of its own (the trainer checks at start-up that the longest possible row fits). Each part
+    lists its rows in batch order; parts are ordered by their first row."""
+    n = len(tokens)
+    if parts is not None and not 1 <= parts <= n:
+        raise ValueError(f"cannot split {n} rows into {parts} non-empty parts")
+    over = [t for t in tokens if t > max_tokens]   # each needs a part of its own
+    k = parts or max(1, min(n, len(over) + -(-(sum(tokens) - sum(over)) // max_tokens)))
+    order = sorted(range(n), key=lambda i: -tokens[i])
+    while True:
+        members: list[list[int]] = [[] for _ in range(k)]
+        totals = [0] * k
+        for i in order:
+            p = min(range(k), key=lambda j: (totals[j], len(members[j])))
+            members[p].append(i)
+            totals[p] += tokens[i]
+        fits = all(t <= max_tokens or len(m) == 1 for t, m in zip(totals, members))
+        if parts is not None or fits or k == n:
+            return sorted((sorted(m) for m in members if m), key=lambda m: m[0])
+        k += 1
+
+
 def _repad(b: RolloutBatch, P: int, R: int) -> RolloutBatch:
     dp, dr = P - b.prompt_width, R - (b.input_ids_BT.shape[1] - b.prompt_width)
     if dp == 0 and dr == 0:

@@ -4,7 +4,7 @@ import random
 import pytest
 import torch
 
-from verl.batch import balanced_order, pack_trajectories
+from verl.batch import balanced_order, pack_trajectories, token_budget_parts
 
 
 def _parts(tokens, order, parts):
@@ -40,3 +40,24 @@ def test_select_carries_every_field_and_the_info_lists_along():
     swapped = batch.select(balanced_order(batch.attention_mask_BT.sum(1).tolist(), 1)[::-1])
     assert swapped.info["stats"] == ["b", "a"] and swapped.rewards_B.tolist() == [1.0, 0.0]
     assert swapped.group_ids_B.tolist() == [1, 0]
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_token_budget_parts_hold_every_row_once_within_the_budget(seed):
+    rng = random.Random(seed)
+    tokens = [rng.randint(1, 900) for _ in range(rng.randint(1, 40))]
+    budget = 1000
+    parts = token_budget_parts(tokens, budget)
+    assert sorted(i for p in parts for i in p) == list(range(len(tokens)))
+    assert all(sum(tokens[i] for i in p) <= budget for p in parts)
+    assert len(parts) <= max(1, 2 * -(-sum(tokens) // budget))   # never far from the least possible
+    assert all(p == sorted(p) for p in parts) and [p[0] for p in parts] == sorted(p[0] for p in parts)
+    # a count agreed with other ranks: exactly that many parts, nearly even
+    exact = token_budget_parts(tokens, budget, parts=len(tokens))
+    assert len(exact) == len(tokens)
+
+
+def test_a_row_longer_than_the_budget_gets_a_part_of_its_own():
+    assert token_budget_parts([50, 5, 5], 10) == [[0], [1, 2]]
+    with pytest.raises(ValueError, match="3 rows into 4"):
+        token_budget_parts([1, 2, 3], 10, parts=4)

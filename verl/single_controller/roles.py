@@ -112,6 +112,16 @@ def explain_out_of_memory(what: str, rollout):
             f"(trainer.n_gpus_per_node).{copy}") from error
 
 
+def expandable_segments(on: bool) -> None:
+    """Switch PyTorch's allocator to expandable segments (on) or back to fixed blocks (off). Training
+    passes allocate tensors of a new length at every micro-batch; in fixed blocks the cache fragments
+    and the update's reserved memory grew well past its allocated peak until a step ran out of memory.
+    Off while the engine wakes and weights are pushed to it: vLLM's sleeping allocator and the push's
+    CUDA IPC handles work with fixed blocks only. New blocks follow the setting; `release_cached_memory`
+    returns the others after each update."""
+    torch.cuda.memory._set_allocator_settings(f"expandable_segments:{on}")
+
+
 def shared_gpu_error(error: Exception) -> Exception:
     """vLLM's sleep checks that the GPU's free memory grew; another process allocating on the same
     GPU at that moment fails the check, and vLLM's message does not say so."""
@@ -170,6 +180,7 @@ class ProfiledWorker:
 
 
 class PolicyWorker(ProfiledWorker):
+    _expandable = False   # allocator switching (expandable_segments), decided in setup
     def __init__(self, rank: int, cfg: TrainerConfig, sizes: Sizes, total_steps: int, device: str):
         self.rank, self.cfg, self.sizes, self.total_steps, self.device = rank, cfg, sizes, total_steps, device
 
@@ -227,15 +238,24 @@ class PolicyWorker(ProfiledWorker):
         self.tokenizer = self.engine.tokenizer
         self.agent = agent_cls(self.engine, settings)
         a = arr.actor
+        self.longest_row = budget
         self.actor = Actor(arr.model, a, micro_batch_size=self.sizes.micro_batch_trajectories_per_worker,
                            total_steps=self.total_steps, temperature=rollout.temperature,
-                           seed=cfg.trainer.seed)
+                           seed=cfg.trainer.seed,
+                           log_prob_budget=(rollout.log_prob_use_dynamic_bsz, rollout.log_prob_max_token_len_per_gpu))
         self.reference = None
         if a.use_kl_loss or cfg.algorithm.use_kl_in_reward:
-            self.reference = Reference(arr.model, param_offload=arr.ref.fsdp_config.param_offload,
+            ref = arr.ref
+            self.reference = Reference(arr.model, param_offload=ref.fsdp_config.param_offload,
                                        mixed_precision=a.fsdp_config.mixed_precision,
-                                       micro_batch_size=arr.ref.log_prob_micro_batch_size // self.sizes.world,
-                                       max_tokens_per_pack=a.max_tokens_per_pack, temperature=rollout.temperature)
+                                       micro_batch_size=ref.log_prob_micro_batch_size // self.sizes.world,
+                                       max_tokens_per_pack=a.max_tokens_per_pack, temperature=rollout.temperature,
+                                       budget=(a.use_dynamic_bsz if ref.log_prob_use_dynamic_bsz is None
+                                               else ref.log_prob_use_dynamic_bsz, ref.log_prob_max_token_len_per_gpu))
+        # Fixed allocator blocks for the engine, expandable ones for training (expandable_segments);
+        # with the engine core in this process its allocator shares ours, which stays as it is.
+        self._expandable = self.device == "cuda" and rollout.name == "vllm" and separate_engine_core(rollout, self.device)
+        self._peaks: dict[str, float] = {}   # this step's log-prob passes (memory/…_peak_allocated_gib)
         self._asleep = False
         self.sleep_rollout()
         # trainer.overlap_rollout: the next step's rollout runs in a thread of this process (generate_ahead)
@@ -243,6 +263,23 @@ class PolicyWorker(ProfiledWorker):
         self._ahead: Future | None = None
 
     # -- rollout -------------------------------------------------------------------------------
+
+    def _allocator_for(self, training: bool) -> None:
+        if self._expandable:
+            expandable_segments(training)
+
+    def pending_bytes(self) -> float:
+        """GPU memory the actor will still allocate in a step (its optimizer state before the first)."""
+        return self.actor.pending_bytes()
+
+    def plan_memory(self, others_pending: float) -> None:
+        """Token budgets and recomputed layers measured now, with the engine asleep and every role
+        built (verl.workers.memory); `others_pending`: what the critic on this GPU will still allocate."""
+        self._allocator_for(training=True)
+        self.actor.plan_memory(self.longest_row, others_pending)
+        if self.reference is not None:
+            adam = 0.0 if self.actor.optimizer_offload else self.actor.pending_bytes()
+            self.reference.plan_memory(self.longest_row, others_pending + adam)
 
     def sleep_rollout(self, drop_weights: bool = False):
         if not self._asleep:
@@ -253,6 +290,7 @@ class PolicyWorker(ProfiledWorker):
             self._asleep = True
 
     def wake_rollout(self):
+        self._allocator_for(training=False)
         if self._asleep:
             with explain_out_of_memory("waking the rollout engine", self.cfg.actor_rollout_ref.rollout):
                 self.engine.wake()
@@ -333,23 +371,42 @@ class PolicyWorker(ProfiledWorker):
 
     @phase
     def compute_log_probs(self, batch: RolloutBatch) -> torch.Tensor:
-        return self.actor.compute_logprobs(batch).cpu()
+        with self._peak_memory("old_log_probs"):
+            return self.actor.compute_logprobs(batch).cpu()
 
     @phase
     def compute_ref_log_probs(self, batch: RolloutBatch) -> torch.Tensor:
-        return self.reference.compute_logprobs(batch).cpu()
+        with self._peak_memory("ref_log_probs"):
+            return self.reference.compute_logprobs(batch).cpu()
+
+    @contextlib.contextmanager
+    def _peak_memory(self, name: str):
+        """A training pass: the allocator for training, and its peak memory kept for the step's metrics
+        (returned with the update's)."""
+        self._allocator_for(training=True)
+        if self.device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        yield
+        if self.device == "cuda":
+            self._peaks[f"memory/{name}_peak_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
 
     @phase
     def update_actor(self, batch: RolloutBatch) -> dict:
         # The update is where memory peaks (activations; the engine asleep): its peak is what decides
         # how many layers must be recomputed (gradient_checkpointing_ratio) and how large a micro-batch may be.
         cuda = self.device == "cuda"
+        self._allocator_for(training=True)
         if cuda:
             torch.cuda.reset_peak_memory_stats()
         metrics = self.actor.update(batch, self.sizes.mini_batch_trajectories_per_worker)
+        budgets = self.actor.budgets
+        metrics |= {f"memory/{k}_tokens_per_micro_batch": v for k, v in (("update", budgets.update),
+                                                                         ("log_prob", budgets.forward)) if v}
         if cuda:
             metrics |= {"memory/update_peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,
                         "memory/update_peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30}
+            metrics |= self._peaks
+            self._peaks = {}
             metrics |= release_cached_memory(self.cfg.trainer.overlap_rollout)
         return metrics
 
@@ -385,8 +442,19 @@ class CriticWorker(ProfiledWorker):
         c = cfg.critic
         c = dataclasses.replace(c, model=dataclasses.replace(c.model, path=c.model.path or
                                                               cfg.actor_rollout_ref.model.path))
+        if self.device == "cuda":  # no engine in this process: expandable blocks throughout
+            expandable_segments(True)
         self.critic = Critic(c, cfg.actor_rollout_ref.actor, micro_batch_size=self.sizes.critic_micro_trajectories_per_worker,
                              total_steps=self.total_steps, seed=cfg.trainer.seed)
+        from verl.workers.rollout.agent_loop import load_agent_loop
+        agent_cls = load_agent_loop(agent_loop_spec(cfg))
+        self.longest_row = cfg.data.max_prompt_length + agent_cls.max_response_tokens(agent_loop_settings(cfg, self.device))
+
+    def pending_bytes(self) -> float:
+        return self.critic.pending_bytes()
+
+    def plan_memory(self, others_pending: float) -> None:
+        self.critic.plan_memory(self.longest_row, others_pending)
 
     @phase
     def compute_values(self, batch: RolloutBatch) -> torch.Tensor:

@@ -40,7 +40,14 @@ def key_factory(factory: Callable[[], Any], help: str) -> Any:
 _CHECKPOINTING_HELP = ("recompute activations in the backward pass instead of keeping them (less memory); how many "
                        "layers: gradient_checkpointing_ratio")
 _CHECKPOINTING_RATIO_HELP = ("share of the decoder layers recomputed in backward when enable_gradient_checkpointing, "
-                             "spread over the depth, in [0, 1]; lower: faster, more memory")
+                             "spread over the depth, in [0, 1]; lower: faster, more memory. null: on a GPU with "
+                             "use_dynamic_bsz, the fewest layers with which a micro-batch of 16,384 tokens fits, "
+                             "measured at start-up (verl.workers.memory); otherwise 1")
+_DYNAMIC_BSZ_HELP = ("cut micro-batches by tokens (prompt and response) instead of trajectories: what bounds memory "
+                     "is the tokens, whose count the policy decides. Every GPU runs the same number of micro-batches, "
+                     "each nearly even; the loss is scaled by tokens as with trajectory micro-batches")
+_TOKEN_BUDGET_HELP = ("tokens per {what} on one GPU with {switch}; null: the most that fit, measured at start-up once "
+                      "the engine sleeps (verl.workers.memory; 4,096 on the CPU)")
 _REMOVE_PADDING_HELP = "the original's padding-free switch: accepted and unused (the forward is always padding-free)"
 
 
@@ -77,11 +84,12 @@ class ModelConfig:
     path: str = key(MISSING, "the policy: a Hugging Face model name or local directory (actor, reference and "
                              "rollout engine all load it)")
     enable_gradient_checkpointing: bool = key(True, _CHECKPOINTING_HELP)
-    gradient_checkpointing_ratio: float = key(1.0, _CHECKPOINTING_RATIO_HELP)
+    gradient_checkpointing_ratio: float | None = key(None, _CHECKPOINTING_RATIO_HELP)
     use_remove_padding: bool = key(True, _REMOVE_PADDING_HELP)
     attn_implementation: str | None = key(None, "attention of actor and reference; null: flash_attention_2 if "
                                                 "installed, else torch's varlen flash kernel (CUDA, bf16), else sdpa")
-    use_torch_compile: bool = key(False, "torch.compile each decoder layer of the actor and the reference")
+    use_torch_compile: bool | None = key(None, "torch.compile each decoder layer of the actor and the reference; "
+                                               "null: on a GPU")
 
 
 @dataclass
@@ -117,7 +125,10 @@ class ActorConfig:
     ppo_mini_batch_size: int = key(256, "trajectories per optimizer step, summed over all GPUs (as in the "
                                         "original); data.train_batch_size × rollout.n_agent must be a multiple")
     ppo_micro_batch_size: int = key(64, "trajectories per forward/backward of the actor (also per forward of the "
-                                        "old log-probs), summed over all GPUs")
+                                        "old log-probs), summed over all GPUs, when use_dynamic_bsz is false")
+    use_dynamic_bsz: bool = key(True, _DYNAMIC_BSZ_HELP)
+    ppo_max_token_len_per_gpu: int | None = key(None, _TOKEN_BUDGET_HELP.format(
+        what="forward/backward of the actor", switch="use_dynamic_bsz"))
     ppo_epochs: int = key(1, "passes over each step's trajectories (the critic's too)")
     old_log_probs: str = key("auto", "auto: where a training step is one epoch (ppo_epochs 1) and the reward has "
                                      "no KL, the separate pass over the batch is skipped: the first mini-batch's "
@@ -164,7 +175,11 @@ class RefFSDPConfig:
 @dataclass
 class RefConfig:
     log_prob_micro_batch_size: int = key(128, "trajectories per forward of the reference log-probs, summed over "
-                                              "all GPUs")
+                                              "all GPUs, when log_prob_use_dynamic_bsz is false")
+    log_prob_use_dynamic_bsz: bool | None = key(None, "reference micro-batches by tokens; null: as "
+                                                      "actor.use_dynamic_bsz")
+    log_prob_max_token_len_per_gpu: int | None = key(None, _TOKEN_BUDGET_HELP.format(
+        what="forward of the reference", switch="log_prob_use_dynamic_bsz"))
     fsdp_config: RefFSDPConfig = key_factory(RefFSDPConfig, "the reference's FSDP2 settings: only param_offload "
                                                             "is read")
 
@@ -210,6 +225,10 @@ class RolloutConfig:
     log_prob_micro_batch_size: int = key(128, "the original's micro-batch of the old log-probs: checked to be a "
                                               "positive multiple of the workers, otherwise unused (old log-probs "
                                               "run in actor.ppo_micro_batch_size micro-batches)")
+    log_prob_use_dynamic_bsz: bool | None = key(None, "old log-prob micro-batches by tokens; null: as "
+                                                      "actor.use_dynamic_bsz")
+    log_prob_max_token_len_per_gpu: int | None = key(None, _TOKEN_BUDGET_HELP.format(
+        what="forward of the old log-probs", switch="log_prob_use_dynamic_bsz"))
     max_model_len: int | None = key(None, "tokens one sequence may hold in the engine; null: max_prompt_length + "
                                           "the longest response the agent loop allows (search agent: (max_turns "
                                           "+ 1) × max_response_length + max_turns × max_obs_length)")
@@ -274,7 +293,7 @@ class CriticModelConfig:
     path: str | None = key(None, "the critic's model: a Hugging Face name or local directory; null: "
                                  "actor_rollout_ref.model.path")
     enable_gradient_checkpointing: bool = key(True, _CHECKPOINTING_HELP)
-    gradient_checkpointing_ratio: float = key(1.0, _CHECKPOINTING_RATIO_HELP)
+    gradient_checkpointing_ratio: float | None = key(None, _CHECKPOINTING_RATIO_HELP)
     use_remove_padding: bool = key(True, _REMOVE_PADDING_HELP)
     fsdp_config: FSDPConfig = key_factory(FSDPConfig, "FSDP2 sharding, offload and precision of the critic")
 
@@ -284,7 +303,12 @@ class CriticConfig:
     model: CriticModelConfig = key_factory(CriticModelConfig, "the value model")
     optim: OptimConfig = key_factory(lambda: OptimConfig(lr=1e-5), "the critic's optimizer")
     ppo_micro_batch_size: int = key(64, "trajectories per forward/backward of the critic (values and update), "
-                                        "summed over all GPUs")
+                                        "summed over all GPUs, when use_dynamic_bsz is false")
+    use_dynamic_bsz: bool | None = key(None, "critic micro-batches by tokens; null: as actor.use_dynamic_bsz")
+    ppo_max_token_len_per_gpu: int | None = key(None, _TOKEN_BUDGET_HELP.format(
+        what="forward/backward of the critic's update", switch="use_dynamic_bsz"))
+    forward_max_token_len_per_gpu: int | None = key(None, _TOKEN_BUDGET_HELP.format(
+        what="forward of the critic's values", switch="use_dynamic_bsz"))
     cliprange_value: float = key(0.5, "value clip: in the loss, new values are kept within this distance of the "
                                       "old ones")
 
@@ -604,9 +628,9 @@ def _check_ranges(cfg: TrainerConfig) -> None:
     for key, ratio in (("actor_rollout_ref.model.gradient_checkpointing_ratio",
                         cfg.actor_rollout_ref.model.gradient_checkpointing_ratio),
                        ("critic.model.gradient_checkpointing_ratio", cfg.critic.model.gradient_checkpointing_ratio)):
-        if not 0.0 <= ratio <= 1.0:
+        if ratio is not None and not 0.0 <= ratio <= 1.0:
             raise ConfigError(f"{key} = {ratio}: use the fraction of decoder layers recomputed in backward, "
-                              f"in [0, 1] (1.0: all; 0 or enable_gradient_checkpointing=false: none)")
+                              f"in [0, 1] (1.0: all; 0 or enable_gradient_checkpointing=false: none; null: chosen at start-up)")
     if cfg.actor_rollout_ref.actor.old_log_probs not in ("auto", "recompute"):
         raise ConfigError(f"actor_rollout_ref.actor.old_log_probs={cfg.actor_rollout_ref.actor.old_log_probs!r}: "
                           "use auto or recompute")
@@ -666,11 +690,12 @@ def derive_sizes(cfg: TrainerConfig) -> Sizes:
         need(value % world == 0 and value >= world,
              f"{key} = {value} trajectories must be a positive multiple of the {world} workers")
     micro = actor.ppo_micro_batch_size // world
-    need((mini // world) % micro == 0,
+    need(actor.use_dynamic_bsz or (mini // world) % micro == 0,
          f"actor.ppo_mini_batch_size / workers = {mini // world} trajectories is not divisible "
          f"by actor.ppo_micro_batch_size / workers = {micro}")
     critic_micro = cfg.critic.ppo_micro_batch_size // world
-    need(cfg.algorithm.adv_estimator != "gae" or (mini // world) % critic_micro == 0,
+    critic_dynamic = actor.use_dynamic_bsz if cfg.critic.use_dynamic_bsz is None else cfg.critic.use_dynamic_bsz
+    need(cfg.algorithm.adv_estimator != "gae" or critic_dynamic or (mini // world) % critic_micro == 0,
          f"the critic updates on the actor's mini-batches: actor.ppo_mini_batch_size / workers = "
          f"{mini // world} trajectories is not divisible by critic.ppo_micro_batch_size / workers = {critic_micro}")
     return Sizes(world, cfg.data.train_batch_size, per_step, per_step // world, mini // world, micro,

@@ -78,6 +78,7 @@ def run(raw: DictConfig) -> None:
         group_cls = WorkerGroup
     policy = group_cls(PolicyWorker, sizes.world, device, share, "policy", *args)
     critic = group_cls(CriticWorker, sizes.world, device, share, "critic", *args) if needs_critic else None
+    plan_memory(policy, critic)
     device_name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     os.makedirs(run_cfg.default_local_dir, exist_ok=True)
     OmegaConf.save(raw, os.path.join(run_cfg.default_local_dir, "config.yaml"))
@@ -88,6 +89,17 @@ def run(raw: DictConfig) -> None:
                          n_params)
     trainer.fit()
     policy.get([w.shutdown.remote() for w in policy.workers], "shutdown")
+
+
+def plan_memory(policy, critic) -> None:
+    """Each role measures its token budgets now that every role on the GPUs holds its weights and the
+    engines sleep (verl.workers.memory), told what the other role will still allocate."""
+    def pending(group):
+        return max(group.get([w.pending_bytes.remote() for w in group.workers], "memory plan")) if group else 0.0
+    critic_pending, policy_pending = pending(critic), pending(policy)
+    policy.get([w.plan_memory.remote(critic_pending) for w in policy.workers], "memory plan")
+    if critic is not None:
+        critic.get([w.plan_memory.remote(policy_pending) for w in critic.workers], "memory plan")
 
 
 def tool_chat_format(cfg, tokenizer):

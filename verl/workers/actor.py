@@ -16,12 +16,21 @@ from verl.trainer.core_algos import agg_loss, kl_penalty, policy_loss, truncated
 from verl.workers.distributed import compute_device, mixed_precision_context, shard
 from verl.workers.modeling import build_causal_lm, compile_layers, pick_attn_implementation
 from verl.workers.packing import forward_packed, tokens_per_pack
-from verl.workers.update import TrainedModel
+from verl.workers.memory import synthetic_batch
+from verl.workers.update import TokenBudgets, TrainedModel, micro_batches
 
 
 def checkpointed_share(model: ModelConfig) -> float:
-    """Share of the decoder layers recomputed in backward (0: none)."""
-    return model.gradient_checkpointing_ratio if model.enable_gradient_checkpointing else 0.0
+    """Share of the decoder layers recomputed in backward as built (0: none). A null ratio builds
+    with every layer checkpointed; the memory plan then switches off as many as fit
+    (verl.workers.memory)."""
+    if not model.enable_gradient_checkpointing:
+        return 0.0
+    return 1.0 if model.gradient_checkpointing_ratio is None else model.gradient_checkpointing_ratio
+
+
+def compiled(model: ModelConfig, device: torch.device) -> bool:
+    return model.use_torch_compile if model.use_torch_compile is not None else device.type == "cuda"
 
 
 def _load_policy_model(model: ModelConfig, gradient_checkpointing: float, param_offload: bool,
@@ -33,28 +42,32 @@ def _load_policy_model(model: ModelConfig, gradient_checkpointing: float, param_
         shard(lm, cpu_offload=param_offload, mixed_precision=mixed_precision)
     else:
         lm.to(device)
-    if model.use_torch_compile:
+    if compiled(model, device):
         compile_layers(lm)
     return lm
 
 
 @torch.no_grad()
-def _logprobs_in_micro_batches(model, batch: RolloutBatch, micro_batch_size: int, temperature: float,
-                               max_tokens_per_pack: int, compute_entropy: bool, mixed_precision: bool):
+def _logprobs_in_micro_batches(model, batch: RolloutBatch, micro_batch_size: int, max_tokens: int | None,
+                               temperature: float, max_tokens_per_pack: int, compute_entropy: bool,
+                               mixed_precision: bool):
+    """Log-probs (and entropies) of the batch's response tokens, by micro-batches of `max_tokens`
+    tokens (or `micro_batch_size` trajectories when None); rows come back in the batch's order."""
     model.eval()
     device = compute_device()
-    logprobs, entropies = [], []
-    # Same number of micro-batches on every rank (ranks hold equal numbers of trajectories).
-    for start in range(0, len(batch), micro_batch_size):
-        micro = batch.select(slice(start, start + micro_batch_size)).to(device)
+    B, R = len(batch), batch.input_ids_BT.shape[1] - batch.prompt_width
+    logprobs_BR = torch.zeros(B, R)
+    entropy_BR = torch.zeros(B, R) if compute_entropy else None
+    for rows in micro_batches(batch, max_tokens, micro_batch_size):
+        micro = batch.select(rows).to(device)
         with mixed_precision_context(dist.is_initialized(), mixed_precision):
-            logprobs_BR, entropy_BR = forward_packed(
+            logprobs_bR, entropy_bR = forward_packed(
                 model, micro.input_ids_BT, micro.attention_mask_BT, micro.prompt_width, temperature,
                 compute_entropy=compute_entropy, max_tokens_per_pack=max_tokens_per_pack)
-        logprobs.append(logprobs_BR.cpu())
+        logprobs_BR[rows] = logprobs_bR.cpu()
         if compute_entropy:
-            entropies.append(entropy_BR.cpu())
-    return torch.cat(logprobs), torch.cat(entropies) if compute_entropy else None
+            entropy_BR[rows] = entropy_bR.cpu()
+    return logprobs_BR, entropy_BR
 
 
 class Actor(TrainedModel):
@@ -67,26 +80,55 @@ class Actor(TrainedModel):
     role = "actor"
 
     def __init__(self, model: ModelConfig, cfg: ActorConfig, *, micro_batch_size: int,
-                 total_steps: int | None = None, temperature: float = 1.0, seed: int = 0):
+                 total_steps: int | None = None, temperature: float = 1.0, seed: int = 0,
+                 log_prob_budget: tuple[bool | None, int | None] = (None, None)):
+        """`log_prob_budget`: (use_dynamic_bsz, max tokens) of the old log-prob pass (rollout.log_prob_*
+        keys; a null switch follows cfg.use_dynamic_bsz)."""
         device = compute_device()
         self.mixed_precision = cfg.fsdp_config.mixed_precision and device.type == "cuda"
         lm = _load_policy_model(model, checkpointed_share(model), cfg.fsdp_config.param_offload,
                                 self.mixed_precision, device)
+        dynamic, tokens = log_prob_budget
+        budgets = TokenBudgets.from_config(
+            (cfg.use_dynamic_bsz, cfg.ppo_max_token_len_per_gpu),
+            (cfg.use_dynamic_bsz if dynamic is None else dynamic, tokens),
+            model.enable_gradient_checkpointing and model.gradient_checkpointing_ratio is None, device,
+            {"update": "actor_rollout_ref.actor.ppo_max_token_len_per_gpu",
+             "forward": "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu",
+             "ratio": "actor_rollout_ref.model.gradient_checkpointing_ratio"})
         super().__init__(lm, cfg.optim, cfg.fsdp_config, total_steps=total_steps, grad_clip=cfg.grad_clip,
                          micro_batch_size=micro_batch_size, ppo_epochs=cfg.ppo_epochs, loss_agg=cfg.loss_agg_mode,
-                         state_masking=cfg.state_masking, seed=seed)
+                         state_masking=cfg.state_masking, seed=seed, budgets=budgets)
         self.cfg = cfg
         self.temperature = temperature
         self.max_tokens_per_pack = tokens_per_pack(cfg.max_tokens_per_pack, device)
 
     def compute_logprobs(self, batch: RolloutBatch) -> torch.Tensor:
         """logprobs_BR of the response tokens under the current weights (fp32, CPU, 0 on padding)."""
-        return _logprobs_in_micro_batches(self.model, batch, self.micro_batch_size, self.temperature,
-                                          self.max_tokens_per_pack, False, self.mixed_precision)[0]
+        return self.compute_logprobs_and_entropy(batch, entropy=False)[0]
 
-    def compute_logprobs_and_entropy(self, batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        return _logprobs_in_micro_batches(self.model, batch, self.micro_batch_size, self.temperature,
-                                          self.max_tokens_per_pack, True, self.mixed_precision)
+    def compute_logprobs_and_entropy(self, batch: RolloutBatch, entropy: bool = True):
+        self.plan_memory(int(batch.attention_mask_BT.sum(1).max()))
+        return _logprobs_in_micro_batches(self.model, batch, self.micro_batch_size, self.budgets.forward,
+                                          self.temperature, self.max_tokens_per_pack, entropy, self.mixed_precision)
+
+    def _probe_update(self, tokens: int) -> None:
+        """One forward/backward of `tokens` synthetic tokens, as the update runs them (memory plan)."""
+        micro = synthetic_batch(tokens, self.model.config.get_text_config().vocab_size).to(self.device)
+        self.model.train()
+        with mixed_precision_context(dist.is_initialized(), self.mixed_precision):
+            logprobs_BR, entropy_BR = forward_packed(
+                self.model, micro.input_ids_BT, micro.attention_mask_BT, micro.prompt_width, self.temperature,
+                compute_entropy=True, max_tokens_per_pack=self.max_tokens_per_pack,
+                entropy_grad=self.cfg.entropy_coeff != 0)
+        loss = logprobs_BR.mean() + (entropy_BR.mean() if entropy_BR.requires_grad else 0.0)
+        loss.backward()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def _probe_forward(self, tokens: int) -> None:
+        batch = synthetic_batch(tokens, self.model.config.get_text_config().vocab_size)
+        _logprobs_in_micro_batches(self.model, batch, len(batch), None, self.temperature, self.max_tokens_per_pack,
+                                   False, self.mixed_precision)
 
     def update(self, batch: RolloutBatch, mini_batch_size: int, shuffle: bool = True,
                loss_norm_length: float | None = None) -> dict[str, float]:
@@ -148,7 +190,9 @@ class Reference:
     the CPU between calls (it runs once per step)."""
 
     def __init__(self, model: ModelConfig, *, param_offload: bool = False, mixed_precision: bool = True,
-                 micro_batch_size: int = 4, max_tokens_per_pack: int = 16384, temperature: float = 1.0):
+                 micro_batch_size: int = 4, max_tokens_per_pack: int = 16384, temperature: float = 1.0,
+                 budget: tuple[bool, int | None] = (False, None)):
+        """`budget`: (use_dynamic_bsz, max tokens) of its forwards (ref.log_prob_* keys)."""
         device = compute_device()
         self.mixed_precision = mixed_precision and device.type == "cuda"
         self.model = _load_policy_model(model, 0.0, param_offload, self.mixed_precision, device)
@@ -156,8 +200,27 @@ class Reference:
         self.micro_batch_size = micro_batch_size
         self.max_tokens_per_pack = tokens_per_pack(max_tokens_per_pack, device)
         self.temperature = temperature
+        self.budgets = TokenBudgets.from_config((False, None), budget, False, device, {
+            "forward": "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu"})
+
+    def plan_memory(self, longest_row: int, others_pending: float = 0.0) -> None:
+        """Measure the forward budget if it is null (see TrainedModel.plan_memory)."""
+        if not self.budgets.measure_forward:
+            return
+        from verl.workers import memory
+        plan = memory.plan(self.model, None, self._probe_forward, role="reference", update_tokens=None,
+                           forward_tokens=None, measure_update=False, measure_forward=True, choose_recompute=False,
+                           longest_row=longest_row, pending_update=0.0, pending_forward=others_pending,
+                           keys=self.budgets.keys)
+        self.budgets = TokenBudgets(None, plan.forward_tokens)
+
+    def _probe_forward(self, tokens: int) -> None:
+        batch = synthetic_batch(tokens, self.model.config.get_text_config().vocab_size)
+        _logprobs_in_micro_batches(self.model, batch, len(batch), None, self.temperature, self.max_tokens_per_pack,
+                                   False, self.mixed_precision)
 
     def compute_logprobs(self, batch: RolloutBatch) -> torch.Tensor:
         """ref_logprobs_BR (fp32, CPU, 0 on padding)."""
-        return _logprobs_in_micro_batches(self.model, batch, self.micro_batch_size, self.temperature,
-                                          self.max_tokens_per_pack, False, self.mixed_precision)[0]
+        self.plan_memory(int(batch.attention_mask_BT.sum(1).max()))
+        return _logprobs_in_micro_batches(self.model, batch, self.micro_batch_size, self.budgets.forward,
+                                          self.temperature, self.max_tokens_per_pack, False, self.mixed_precision)[0]

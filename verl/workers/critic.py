@@ -20,7 +20,8 @@ from verl.trainer.core_algos import value_loss
 from verl.workers.distributed import compute_device, mixed_precision_context, shard
 from verl.workers.modeling import build_value_model, pick_attn_implementation
 from verl.workers.packing import tokens_per_pack, values_packed
-from verl.workers.update import TrainedModel
+from verl.workers.memory import synthetic_batch
+from verl.workers.update import TokenBudgets, TrainedModel, micro_batches
 
 
 class Critic(TrainedModel):
@@ -37,7 +38,14 @@ class Critic(TrainedModel):
         device = compute_device()
         fsdp = cfg.model.fsdp_config
         self.mixed_precision = fsdp.mixed_precision and device.type == "cuda"
-        checkpointed = cfg.model.gradient_checkpointing_ratio if cfg.model.enable_gradient_checkpointing else 0.0
+        ratio = cfg.model.gradient_checkpointing_ratio
+        checkpointed = (1.0 if ratio is None else ratio) if cfg.model.enable_gradient_checkpointing else 0.0
+        dynamic = shared.use_dynamic_bsz if cfg.use_dynamic_bsz is None else cfg.use_dynamic_bsz
+        budgets = TokenBudgets.from_config(
+            (dynamic, cfg.ppo_max_token_len_per_gpu), (dynamic, cfg.forward_max_token_len_per_gpu),
+            cfg.model.enable_gradient_checkpointing and ratio is None, device,
+            {"update": "critic.ppo_max_token_len_per_gpu", "forward": "critic.forward_max_token_len_per_gpu",
+             "ratio": "critic.model.gradient_checkpointing_ratio"})
         model = build_value_model(cfg.model.path, torch.float32, checkpointed,
                                   attn_implementation=pick_attn_implementation(self.mixed_precision))
         if dist.is_initialized():
@@ -46,7 +54,8 @@ class Critic(TrainedModel):
             model.to(device)
         super().__init__(model, cfg.optim, fsdp, total_steps=total_steps, grad_clip=shared.grad_clip,
                          micro_batch_size=micro_batch_size, ppo_epochs=shared.ppo_epochs,
-                         loss_agg=shared.loss_agg_mode, state_masking=shared.state_masking, seed=seed)
+                         loss_agg=shared.loss_agg_mode, state_masking=shared.state_masking, seed=seed,
+                         budgets=budgets)
         self.cfg = cfg
         self.max_tokens_per_pack = tokens_per_pack(shared.max_tokens_per_pack, device)
 
@@ -55,14 +64,30 @@ class Critic(TrainedModel):
             return values_packed(self.model, micro.input_ids_BT, micro.attention_mask_BT, micro.prompt_width,
                                  self.max_tokens_per_pack)
 
-    @torch.no_grad()
     def compute_values(self, batch: RolloutBatch) -> torch.Tensor:
         """values_BR (fp32, CPU, 0 on padding)."""
+        self.plan_memory(int(batch.attention_mask_BT.sum(1).max()))
+        return self._values_in_micro_batches(batch, self.budgets.forward)
+
+    @torch.no_grad()
+    def _values_in_micro_batches(self, batch: RolloutBatch, max_tokens: int | None) -> torch.Tensor:
         self.model.eval()
-        values = []
-        for start in range(0, len(batch), self.micro_batch_size):
-            values.append(self._values(batch.select(slice(start, start + self.micro_batch_size)).to(self.device)).cpu())
-        return torch.cat(values)
+        values_BR = torch.zeros(len(batch), batch.input_ids_BT.shape[1] - batch.prompt_width)
+        for rows in micro_batches(batch, max_tokens, self.micro_batch_size):
+            values_BR[rows] = self._values(batch.select(rows).to(self.device)).cpu()
+        return values_BR
+
+    def _probe_update(self, tokens: int) -> None:
+        micro = synthetic_batch(tokens, self.model.config.get_text_config().vocab_size).to(self.device)
+        self.model.train()
+        self._values(micro).mean().backward()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def _probe_forward(self, tokens: int) -> None:
+        batch = synthetic_batch(tokens, self.model.config.get_text_config().vocab_size)
+        with torch.no_grad():
+            self.model.eval()
+            self._values(batch.to(self.device))
 
     def update(self, batch: RolloutBatch, mini_batch_size: int, shuffle: bool = True,
                loss_norm_length: float | None = None) -> dict[str, float]:

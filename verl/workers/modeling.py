@@ -216,3 +216,15 @@ def compile_layers(model: nn.Module) -> nn.Module:
     for layer in decoder_layers(model):
         layer.forward = torch.compile(layer.forward, dynamic=True)
     return model
+
+
+def recompute_layers(model: nn.Module, n: int) -> None:
+    """Recompute `n` decoder layers in backward, spread evenly over the depth, the others keeping
+    their activations. The model must have been built with every layer checkpointed (ratio 1)."""
+    layers = decoder_layers(model)
+    if not all(hasattr(layer, "gradient_checkpointing") for layer in layers):
+        raise ValueError(f"the decoder layers of {type(model).__name__} have no per-layer `gradient_checkpointing` "
+                         "flag: set gradient_checkpointing_ratio to 1 or 0")
+    chosen = {i * len(layers) // n for i in range(n)} if n else set()
+    for i, layer in enumerate(layers):
+        layer.gradient_checkpointing = i in chosen

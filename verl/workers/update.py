@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from verl.batch import RolloutBatch
+from verl.batch import RolloutBatch, token_budget_parts
 from verl.trainer.core_algos import LossAgg
 from verl.workers.distributed import (accumulation_steps, all_reduce_scalar, comm_device, compute_device,
                                       world_size)
@@ -119,6 +119,21 @@ def check_batch_sizes(n_trajectories: int, mini_batch_size: int, micro_batch_siz
             f"{micro_batch_size}: change ppo_micro_batch_size or ppo_mini_batch_size")
 
 
+def micro_batches(batch: RolloutBatch, max_tokens: int | None, rows: int) -> list[list[int]]:
+    """Row indices of the micro-batches of `batch`: at most `max_tokens` tokens each (prompt and
+    response, what a packed forward processes), or `rows` trajectories each when max_tokens is None.
+    By tokens, every rank runs the number of micro-batches the rank that needs the most asks for:
+    under FSDP each forward is a collective, so all ranks must run the same number."""
+    if max_tokens is None:
+        return [list(range(start, min(start + rows, len(batch)))) for start in range(0, len(batch), rows)]
+    tokens = batch.attention_mask_BT.sum(1).tolist()
+    count = int(all_reduce_scalar(len(token_budget_parts(tokens, max_tokens)), dist.ReduceOp.MAX))
+    if count > len(batch):
+        raise RuntimeError(f"another rank needs {count} micro-batches and this one holds {len(batch)} trajectories: "
+                           "ranks must hold equal numbers of trajectories")
+    return token_budget_parts(tokens, max_tokens, parts=count)
+
+
 def shuffled_mini_batches(batch: RolloutBatch, mini_batch_size: int, seed: int, shuffle: bool) -> list[RolloutBatch]:
     """The batch's rows in a seeded random order (same seed, same order: runs are reproducible and
     resumable), cut into mini-batches."""
@@ -133,6 +148,31 @@ def shuffled_mini_batches(batch: RolloutBatch, mini_batch_size: int, seed: int, 
 # The update loop
 
 
+@dataclass
+class TokenBudgets:
+    """Tokens per micro-batch of a role's update and of its no-grad forwards (None: trajectory
+    micro-batches), and what is still to be measured on the GPU (verl.workers.memory)."""
+    update: int | None
+    forward: int | None
+    measure_update: bool = False
+    measure_forward: bool = False
+    choose_recompute: bool = False
+    keys: dict = None   # config keys named in messages: update, forward, ratio
+
+    @classmethod
+    def from_config(cls, update: tuple[bool, int | None], forward: tuple[bool, int | None], choose_recompute: bool,
+                    device: torch.device, keys: dict) -> "TokenBudgets":
+        """From (use_dynamic_bsz, max tokens) of the update and of the forwards: a null budget is
+        measured on a GPU and CPU_TOKENS on the CPU, where the recomputation stays as configured."""
+        from verl.workers.memory import CPU_TOKENS
+        gpu = device.type == "cuda"
+
+        def tokens(dynamic, value):
+            return (value or (None if gpu else CPU_TOKENS)) if dynamic else None
+        return cls(tokens(*update), tokens(*forward), gpu and update[0] and not update[1],
+                   gpu and forward[0] and not forward[1], gpu and update[0] and choose_recompute, keys)
+
+
 MicroLoss = Callable[[RolloutBatch, torch.Tensor], tuple[torch.Tensor, dict[str, float]]]
 
 
@@ -145,7 +185,8 @@ class TrainedModel:
     them directly.
 
     Batch sizes are in trajectories and per process: `mini_batch_size` trajectories per optimizer
-    step, `micro_batch_size` per forward/backward. One `update` call is one training step: `ppo_epochs`
+    step, and per forward/backward either at most `max_tokens` tokens (use_dynamic_bsz: what bounds
+    memory is the tokens, whose count the policy decides) or `micro_batch_size` trajectories. One `update` call is one training step: `ppo_epochs`
     passes over the process's trajectories, each a sequence of optimizer steps on shuffled
     mini-batches; the learning-rate scheduler steps once per call (so warm-up and decay count
     training steps, whatever the number of mini-batches and epochs).
@@ -168,8 +209,10 @@ class TrainedModel:
     role = "model"  # names the role in errors and warnings
 
     def __init__(self, model: nn.Module, optim, fsdp, *, total_steps: int | None, grad_clip: float | None,
-                 micro_batch_size: int, ppo_epochs: int, loss_agg: str, state_masking: bool, seed: int):
-        """`optim`: an OptimConfig, `fsdp`: an FSDPConfig (verl.trainer.config)."""
+                 micro_batch_size: int, ppo_epochs: int, loss_agg: str, state_masking: bool, seed: int,
+                 budgets: TokenBudgets | None = None):
+        """`optim`: an OptimConfig, `fsdp`: an FSDPConfig (verl.trainer.config). `budgets`: tokens per
+        micro-batch (use_dynamic_bsz); None: `micro_batch_size` trajectories."""
         self.device = compute_device()
         self.model = model
         self.optimizer = build_optimizer(model, optim.lr, optim.weight_decay, tuple(optim.betas))
@@ -182,10 +225,41 @@ class TrainedModel:
         self.optimizer_offload = fsdp.optimizer_offload and torch.cuda.is_available() and not fsdp.param_offload
         self.unsharded_accumulation = fsdp.unsharded_accumulation
         self.micro_batch_size = micro_batch_size
+        self.budgets = budgets or TokenBudgets(None, None)
         self.ppo_epochs = ppo_epochs
         self.loss_agg = LossAgg(loss_agg).value  # fail at construction on an unknown name
         self.state_masking = state_masking
         self.seed = seed
+
+    def plan_memory(self, longest_row: int, others_pending: float = 0.0) -> None:
+        """Measure the token budgets left null and choose the recomputed layers (verl.workers.memory),
+        once, while this GPU holds what it will hold during the step. `longest_row`: the longest
+        trajectory the run can produce; `others_pending`: what another role on this GPU will still
+        allocate. Called at start-up by the trainer, else before the first pass that needs it."""
+        b = self.budgets
+        if not (b.measure_update or b.measure_forward or b.choose_recompute):
+            return
+        from verl.workers import memory
+        adam = memory.optimizer_state_bytes(self.optimizer, self.optimizer_offload)
+        plan = memory.plan(self.model, self._probe_update, self._probe_forward, role=self.role,
+                           update_tokens=b.update, forward_tokens=b.forward, measure_update=b.measure_update,
+                           measure_forward=b.measure_forward, choose_recompute=b.choose_recompute,
+                           longest_row=longest_row, pending_update=adam + others_pending,
+                           pending_forward=(0.0 if self.optimizer_offload else adam) + others_pending, keys=b.keys)
+        self.budgets = TokenBudgets(plan.update_tokens if b.update or b.measure_update else None,
+                                    plan.forward_tokens if b.forward or b.measure_forward else None)
+
+    def pending_bytes(self) -> float:
+        """GPU memory this role will allocate during a step beyond what it holds now (its optimizer
+        state before the first step, or while offloaded)."""
+        from verl.workers.memory import optimizer_state_bytes
+        return optimizer_state_bytes(self.optimizer, self.optimizer_offload) if torch.cuda.is_available() else 0.0
+
+    def _probe_update(self, tokens: int) -> None:
+        raise NotImplementedError
+
+    def _probe_forward(self, tokens: int) -> None:
+        raise NotImplementedError
 
     def set_lr_scale(self, scale: float) -> None:
         """The learning rate becomes `scale` × the configured one, from now on and at every point of
@@ -208,7 +282,10 @@ class TrainedModel:
         stats averaged over micro-batches, grad_norm averaged over optimizer steps, and lr.
         `before_first_step(minis)`: called with the first epoch's mini-batches, in training order,
         while the weights are still those of the rollout (it may fill in their fields)."""
-        check_batch_sizes(len(batch), mini_batch_size, self.micro_batch_size, self.role)
+        self.plan_memory(int(batch.attention_mask_BT.sum(1).max()))
+        by_tokens = self.budgets.update
+        check_batch_sizes(len(batch), mini_batch_size, mini_batch_size if by_tokens else self.micro_batch_size,
+                          self.role)
         step = self.scheduler.last_epoch
         lr = self.scheduler.get_last_lr()[0]
 
@@ -228,7 +305,7 @@ class TrainedModel:
             for mini in minis:
                 total_units = all_reduce_scalar(loss_units(self.loss_mask(mini), self.loss_agg))
                 self.optimizer.zero_grad(set_to_none=True)
-                micros = mini.split(mini_batch_size // self.micro_batch_size)
+                micros = [mini.select(rows) for rows in micro_batches(mini, by_tokens, self.micro_batch_size)]
                 for micro in accumulation_steps(self.model, micros, self.unsharded_accumulation):
                     micro = micro.to(self.device)
                     mask_BR = self.loss_mask(micro)

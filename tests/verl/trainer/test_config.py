@@ -132,7 +132,8 @@ def test_batch_sizes_that_do_not_split_are_refused_at_start_up_naming_the_keys()
     from verl.trainer.config import derive_sizes
     base = ["data.train_files=t.parquet", "actor_rollout_ref.model.path=m", "data.train_batch_size=160",
             "actor_rollout_ref.rollout.n_agent=1", "actor_rollout_ref.actor.ppo_mini_batch_size=160",
-            "actor_rollout_ref.actor.ppo_micro_batch_size=32", "critic.ppo_micro_batch_size=64"]
+            "actor_rollout_ref.actor.ppo_micro_batch_size=32", "critic.ppo_micro_batch_size=64",
+            "actor_rollout_ref.actor.use_dynamic_bsz=false"]   # micro-batches of trajectories
 
     def sizes(*extra):
         return derive_sizes(load_config(OmegaConf.merge(OmegaConf.load(CONFIG), OmegaConf.from_dotlist(
@@ -145,3 +146,6 @@ def test_batch_sizes_that_do_not_split_are_refused_at_start_up_naming_the_keys()
     assert fitting.critic_micro_trajectories_per_worker == 32
     with pytest.raises(ConfigError, match="actor.ppo_micro_batch_size / workers = 64"):
         sizes("algorithm.adv_estimator=grpo", "actor_rollout_ref.actor.ppo_micro_batch_size=64")
+    # micro-batches by tokens: the trajectory sizes need not divide the mini-batch
+    assert sizes("algorithm.adv_estimator=gae", "actor_rollout_ref.actor.ppo_micro_batch_size=64",
+                 "actor_rollout_ref.actor.use_dynamic_bsz=true").mini_batch_trajectories_per_worker == 160

@@ -27,6 +27,7 @@ from verl.workers.actor import Actor, Reference
 from verl.workers.critic import Critic
 from verl.trainer.config import ActorConfig, CriticConfig, CriticModelConfig, FSDPConfig, ModelConfig, OptimConfig
 from verl.workers.distributed import full_state_dict_iter
+from verl.workers.update import micro_batches
 from verl.workers.modeling import (VARLEN_ATTN, _enable_gradient_checkpointing, build_causal_lm, build_value_model,
                                    decoder_layers)
 from verl.workers.packing import (forward_packed, forward_padded, plan_packs, tokens_per_pack, values_packed,
@@ -49,15 +50,18 @@ def actor_config(unsharded: bool = False, **overrides) -> ActorConfig:
         fsdp_config=FSDPConfig(mixed_precision=False, unsharded_accumulation=unsharded)), **overrides})
 
 
-def make_actor(model_dir: str, micro_batch_size: int = 2, unsharded: bool = False, **overrides) -> Actor:
+def make_actor(model_dir: str, micro_batch_size: int = 2, unsharded: bool = False, log_prob_budget=(None, None),
+               **overrides) -> Actor:
     return Actor(ModelConfig(path=model_dir, enable_gradient_checkpointing=True),
-                 actor_config(unsharded, **overrides), micro_batch_size=micro_batch_size, temperature=TEMPERATURE)
+                 actor_config(unsharded, **overrides), micro_batch_size=micro_batch_size, temperature=TEMPERATURE,
+                 log_prob_budget=log_prob_budget)
 
 
-def make_critic(model_dir: str, lr: float = 1e-3, unsharded: bool = False) -> Critic:
+def make_critic(model_dir: str, lr: float = 1e-3, unsharded: bool = False, max_tokens: int | None = None) -> Critic:
     model = CriticModelConfig(path=model_dir, enable_gradient_checkpointing=False,
                               fsdp_config=FSDPConfig(mixed_precision=False, unsharded_accumulation=unsharded))
-    return Critic(CriticConfig(model=model, optim=OptimConfig(lr=lr), cliprange_value=0.5),
+    return Critic(CriticConfig(model=model, optim=OptimConfig(lr=lr), cliprange_value=0.5,
+                               ppo_max_token_len_per_gpu=max_tokens, forward_max_token_len_per_gpu=max_tokens),
                   ActorConfig(grad_clip=1.0, max_tokens_per_pack=40), micro_batch_size=2)
 
 
@@ -262,10 +266,15 @@ def test_compute_logprobs_matches_plain_hf_forward(tiny_model_dir, batch):
         assert (logprobs_BR[i, n:] == 0).all()
 
 
-def test_gradient_accumulation_equals_one_big_micro_batch(tiny_model_dir, batch):
+@pytest.mark.parametrize("split", [dict(micro_batch_size=2, use_dynamic_bsz=False),   # trajectories
+                                   dict(ppo_max_token_len_per_gpu=40)])               # tokens
+def test_gradient_accumulation_equals_one_big_micro_batch(tiny_model_dir, batch, split):
+    """The same update whether a mini-batch runs as one micro-batch or several, cut by trajectories
+    or by a token budget (the loss is scaled by tokens either way)."""
+    assert len(micro_batches(batch, 40, 0)) >= 4   # the budget does split the batch
     results = []
-    for micro in (2, 8):
-        actor = make_actor(tiny_model_dir, micro_batch_size=micro)
+    for kwargs in (split, dict(micro_batch_size=8, use_dynamic_bsz=False)):
+        actor = make_actor(tiny_model_dir, **kwargs)
         before = params_of(actor.model)
         metrics = actor.update(batch, mini_batch_size=8)
         results.append((params_of(actor.model), metrics))
@@ -276,6 +285,20 @@ def test_gradient_accumulation_equals_one_big_micro_batch(tiny_model_dir, batch)
     assert m_small["clipfrac"] > 0  # the perturbed old log-probs make clipping active
     for key in ("pg_loss", "clipfrac", "approx_kl", "entropy", "kl_loss", "grad_norm", "lr"):
         assert isinstance(m_small[key], float)
+
+
+def test_log_probs_by_token_budget_come_back_in_row_order(tiny_model_dir, batch):
+    by_rows = make_actor(tiny_model_dir, micro_batch_size=8, use_dynamic_bsz=False).compute_logprobs_and_entropy(batch)
+    parts = micro_batches(batch, 40, 0)
+    assert [i for part in parts for i in part] != list(range(len(batch)))   # the parts mix the rows
+    by_tokens = make_actor(tiny_model_dir, log_prob_budget=(True, 40)).compute_logprobs_and_entropy(batch)
+    for a, b in zip(by_rows, by_tokens):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+    critic = make_critic(tiny_model_dir, max_tokens=40)
+    with torch.no_grad():
+        critic.model.value_head.bias.fill_(0.5)   # values of 0.5 wherever a response token is
+    values_BR = critic.compute_values(batch)
+    assert torch.equal(values_BR != 0, batch.response_mask_BR.bool())
 
 
 # Exact on the CPU (one sequence a pack). On a GPU the separate pass and the update pack different
@@ -380,13 +403,14 @@ def _fsdp_rank(rank, world, port, model_dir, batch_path, out_dir, unsharded):
     init_distributed(timeout_minutes=2)  # a collective mismatch fails the test instead of hanging it
     try:
         part = torch.load(batch_path, weights_only=False).split(world)[rank]
-        actor = make_actor(model_dir, unsharded=unsharded)
+        # token budgets of 40: the rank with the long rows needs more micro-batches, and both run as many
+        actor = make_actor(model_dir, unsharded=unsharded, ppo_max_token_len_per_gpu=40, log_prob_budget=(True, 40))
         logprobs_BR = actor.compute_logprobs(part)
         actor_metrics = actor.update(part, mini_batch_size=len(part))
         actor_params = params_of(actor.model)  # a collective: every rank iterates
         # as the weight push gathers them: shards cast to bf16 first
         actor_params_bf16 = {n: t.clone() for n, t in full_state_dict_iter(actor.model, dtype=torch.bfloat16)}
-        critic = make_critic(model_dir, unsharded=unsharded)
+        critic = make_critic(model_dir, unsharded=unsharded, max_tokens=40)
         critic_metrics = critic.update(part, mini_batch_size=len(part))
         critic_params = params_of(critic.model)
         # Two mini-batches with the old log-probs left to the update (actor.old_log_probs=auto): its

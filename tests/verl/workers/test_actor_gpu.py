@@ -5,6 +5,7 @@ config (no tokenizer needed), so nothing has to be downloaded on the GPU node.
 """
 from __future__ import annotations
 
+import math
 import os
 import socket
 
@@ -17,7 +18,8 @@ from verl.workers.actor import Actor, Reference
 from verl.workers.critic import Critic
 from verl.trainer.config import ActorConfig, CriticConfig, CriticModelConfig, FSDPConfig, ModelConfig, OptimConfig
 from verl.workers.distributed import full_state_dict_iter
-from verl.workers.modeling import VARLEN_ATTN, build_causal_lm, pick_attn_implementation
+from verl.workers.memory import MAX_TOKENS
+from verl.workers.modeling import VARLEN_ATTN, build_causal_lm, decoder_layers, pick_attn_implementation
 from verl.workers.packing import forward_packed, forward_padded
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -34,7 +36,7 @@ def make_actor(model_dir: str, mixed_precision: bool, max_tokens_per_pack: int =
                       loss_agg_mode="token-mean", entropy_coeff=0.01, use_kl_loss=True, kl_loss_coef=0.1,
                       max_tokens_per_pack=max_tokens_per_pack,
                       fsdp_config=FSDPConfig(mixed_precision=mixed_precision, **fsdp))
-    return Actor(ModelConfig(path=model_dir), cfg, micro_batch_size=2)
+    return Actor(ModelConfig(path=model_dir, use_torch_compile=False), cfg, micro_batch_size=2)
 
 
 @pytest.fixture(scope="module")
@@ -106,6 +108,21 @@ def test_varlen_flash_attention_on_gpu(model_dir):
     (lp_v, g_v), (lp_p, g_p) = outs
     assert (lp_v - lp_p).abs().max() < 0.1
     assert torch.nn.functional.cosine_similarity(g_v, g_p, dim=0) > 0.99
+
+
+def test_the_defaults_measure_a_token_budget_and_update_within_it(model_dir):
+    """The defaults on a GPU: compiled layers and micro-batches of a token budget measured at the first
+    pass (verl.workers.memory), with as few layers recomputed as fit: none for this small model."""
+    actor = Actor(ModelConfig(path=model_dir), ActorConfig(optim=OptimConfig(lr=1e-3)), micro_batch_size=2)
+    batch = make_batch()
+    batch = with_old_logprobs(batch, actor.compute_logprobs(batch))
+    budgets = actor.budgets
+    assert not (budgets.measure_update or budgets.measure_forward or budgets.choose_recompute)
+    assert max(PROMPT_LENS) + max(RESPONSE_LENS) <= budgets.update <= MAX_TOKENS
+    assert budgets.forward >= budgets.update   # no activations kept for backward
+    assert not any(layer.gradient_checkpointing for layer in decoder_layers(actor.model))
+    metrics = actor.update(batch, mini_batch_size=8)
+    assert math.isfinite(metrics["grad_norm"]) and metrics["grad_norm"] > 0
 
 
 def _free_port() -> int:
