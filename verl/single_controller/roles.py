@@ -254,7 +254,8 @@ class PolicyWorker(ProfiledWorker):
                                                else ref.log_prob_use_dynamic_bsz, ref.log_prob_max_token_len_per_gpu))
         # Fixed allocator blocks for the engine, expandable ones for training (expandable_segments);
         # with the engine core in this process its allocator shares ours, which stays as it is.
-        self._expandable = self.device == "cuda" and rollout.name == "vllm" and separate_engine_core(rollout, self.device)
+        self._expandable = (self.device == "cuda" and rollout.name == "vllm"
+                            and separate_engine_core(rollout, self.device))
         self._peaks: dict[str, float] = {}   # this step's log-prob passes (memory/…_peak_allocated_gib)
         self._asleep = False
         self.sleep_rollout()
@@ -448,7 +449,8 @@ class CriticWorker(ProfiledWorker):
                              total_steps=self.total_steps, seed=cfg.trainer.seed)
         from verl.workers.rollout.agent_loop import load_agent_loop
         agent_cls = load_agent_loop(agent_loop_spec(cfg))
-        self.longest_row = cfg.data.max_prompt_length + agent_cls.max_response_tokens(agent_loop_settings(cfg, self.device))
+        settings = agent_loop_settings(cfg, self.device)
+        self.longest_row = cfg.data.max_prompt_length + agent_cls.max_response_tokens(settings)
 
     def pending_bytes(self) -> float:
         return self.critic.pending_bytes()

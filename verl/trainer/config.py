@@ -41,7 +41,7 @@ _CHECKPOINTING_HELP = ("recompute activations in the backward pass instead of ke
                        "layers: gradient_checkpointing_ratio")
 _CHECKPOINTING_RATIO_HELP = ("share of the decoder layers recomputed in backward when enable_gradient_checkpointing, "
                              "spread over the depth, in [0, 1]; lower: faster, more memory. null: on a GPU with "
-                             "use_dynamic_bsz, the fewest layers with which a micro-batch of 16,384 tokens fits, "
+                             "use_dynamic_bsz, the fewest layers with which a micro-batch of 8,192 tokens fits, "
                              "measured at start-up (verl.workers.memory); otherwise 1")
 _DYNAMIC_BSZ_HELP = ("cut micro-batches by tokens (prompt and response) instead of trajectories: what bounds memory "
                      "is the tokens, whose count the policy decides. Every GPU runs the same number of micro-batches, "

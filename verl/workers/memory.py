@@ -16,7 +16,7 @@ every role is built and the rollout engine sleeps:
 - The update's recomputation (`gradient_checkpointing_ratio` null): probes with no layer recomputed
   and with all of them give the two slopes; the fewest recomputed layers whose budget still reaches
   TARGET_TOKENS (or the longest row the run can produce, if longer) win, since recomputing costs a
-  third more compute per layer and a larger budget beyond that buys little.
+  third more compute per layer, and beyond that size a larger micro-batch buys little.
 - A run whose longest row does not fit even with every layer recomputed stops here, at start-up,
   with the figures and the keys to change.
 
@@ -41,7 +41,7 @@ log = logging.getLogger(__name__)
 GIB = 1 << 30
 PROBE_TOKENS = (1024, 4096)   # the two probe sizes
 PROBE_ROW = 1024              # tokens per synthetic row (prompt and response)
-TARGET_TOKENS = 16384         # what a micro-batch should reach before layers are recomputed
+TARGET_TOKENS = 8192          # what a micro-batch should reach before layers are recomputed
 MAX_TOKENS = 65536            # no budget beyond this (4× past what the probes measured is a guess)
 HEADROOM = 0.08               # share of the GPU kept free for fragmentation and what the probes miss
 CPU_TOKENS = 4096
@@ -58,7 +58,9 @@ class Line:
 
 
 def measure(probe: Callable[[int], None], sizes=PROBE_TOKENS) -> Line:
-    """Run `probe(tokens)` at each size and fit the peak memory above the current allocation."""
+    """Run `probe(tokens)` at each size and fit the peak memory above the current allocation. A
+    first, unmeasured run takes what happens once (torch.compile's compilation and autotuning)."""
+    probe(sizes[0])
     peaks = []
     for n in sizes:
         torch.cuda.synchronize()
@@ -106,7 +108,8 @@ class Plan:
 def _between(none: Line, full: Line, k: int, layers: int) -> Line:
     """The line with k of `layers` layers recomputed, between the probes with none and all."""
     share = k / layers
-    return Line(none.fixed + (full.fixed - none.fixed) * share, none.per_token + (full.per_token - none.per_token) * share)
+    return Line(none.fixed + (full.fixed - none.fixed) * share,
+                none.per_token + (full.per_token - none.per_token) * share)
 
 
 def plan(model, update_probe: Callable[[int], None] | None, forward_probe: Callable[[int], None], *, role: str,
@@ -119,6 +122,7 @@ def plan(model, update_probe: Callable[[int], None] | None, forward_probe: Calla
     `pending_*`: bytes that will be allocated before each kind of pass. `keys`: the config keys of
     the update's and the forward's budgets and of the ratio, for messages. Every rank gets the same
     plan: the smallest budgets and the most recomputed layers of any rank."""
+    longest_row = int(all_reduce_scalar(longest_row, dist.ReduceOp.MAX))
     chosen = None
     if choose_recompute or measure_update:
         avail = available_bytes(pending_update)
@@ -139,24 +143,23 @@ def plan(model, update_probe: Callable[[int], None] | None, forward_probe: Calla
         else:
             line = measure(update_probe)
             how = f"{line.per_token / 2**20:.2f} MiB a token"
-        fits = line.tokens(avail)
+        fits = int(all_reduce_scalar(line.tokens(avail), dist.ReduceOp.MIN))   # every rank decides alike
         log.info("%s update: %.1f GiB available (free + cached - %.1f GiB pending - headroom), %.1f GiB fixed, %s: "
                  "%d tokens fit", role, avail / GIB, pending_update / GIB, line.fixed / GIB, how, fits)
         if measure_update:
-            update_tokens = int(all_reduce_scalar(min(fits, MAX_TOKENS), dist.ReduceOp.MIN))
+            update_tokens = min(fits, MAX_TOKENS)
             log.info("%s update: %d tokens per micro-batch (%s)", role, update_tokens, keys["update"])
         if fits < longest_row or (update_tokens is not None and update_tokens < longest_row):
             raise RuntimeError(
                 f"{role}: a micro-batch of the update fits {fits} tokens on this GPU ({avail / GIB:.1f} GiB available, "
                 f"{line.per_token / 2**20:.2f} MiB a token, {line.fixed / GIB:.1f} GiB fixed) with a budget of "
-                f"{update_tokens or '-'} ({keys['update']}), and the longest trajectory the run can produce has {longest_row} "
-                f"tokens. Lower data.max_prompt_length or the response lengths, recompute layers ({keys['ratio']}), "
+                f"{update_tokens or '-'} ({keys['update']}), and the longest trajectory the run can produce has "
+                f"{longest_row} tokens. Lower data.max_prompt_length or the response lengths, recompute layers ({keys['ratio']}), "
                 "offload (fsdp_config.optimizer_offload, param_offload), or shard over more GPUs")
     if measure_forward:
         line = measure(forward_probe)
         avail = available_bytes(pending_forward)
-        fits = line.tokens(avail)
-        forward_tokens = int(all_reduce_scalar(min(fits, MAX_TOKENS), dist.ReduceOp.MIN))
+        forward_tokens = int(all_reduce_scalar(min(line.tokens(avail), MAX_TOKENS), dist.ReduceOp.MIN))
         log.info("%s log-prob passes: %.1f GiB available, %.2f MiB a token: %d tokens per micro-batch (%s)",
                  role, avail / GIB, line.per_token / 2**20, forward_tokens, keys["forward"])
         if forward_tokens < longest_row:

@@ -157,7 +157,7 @@ class TokenBudgets:
     measure_update: bool = False
     measure_forward: bool = False
     choose_recompute: bool = False
-    keys: dict = None   # config keys named in messages: update, forward, ratio
+    keys: dict | None = None   # config keys named in messages: update, forward, ratio
 
     @classmethod
     def from_config(cls, update: tuple[bool, int | None], forward: tuple[bool, int | None], choose_recompute: bool,
@@ -184,12 +184,12 @@ class TrainedModel:
     checkpointing (torch.distributed.checkpoint) and the weight push to the rollout engine work on
     them directly.
 
-    Batch sizes are in trajectories and per process: `mini_batch_size` trajectories per optimizer
-    step, and per forward/backward either at most `max_tokens` tokens (use_dynamic_bsz: what bounds
-    memory is the tokens, whose count the policy decides) or `micro_batch_size` trajectories. One `update` call is one training step: `ppo_epochs`
-    passes over the process's trajectories, each a sequence of optimizer steps on shuffled
-    mini-batches; the learning-rate scheduler steps once per call (so warm-up and decay count
-    training steps, whatever the number of mini-batches and epochs).
+    Batch sizes are per process: `mini_batch_size` trajectories per optimizer step, and per
+    forward/backward at most `budgets.update` tokens (use_dynamic_bsz: what bounds memory is the
+    tokens, whose count the policy decides) or else `micro_batch_size` trajectories. One `update`
+    call is one training step: `ppo_epochs` passes over the process's trajectories, each a sequence
+    of optimizer steps on shuffled mini-batches; the learning-rate scheduler steps once per call (so
+    warm-up and decay count training steps, whatever the number of mini-batches and epochs).
 
     Loss scaling (gradient accumulation and data parallelism). Each mini-batch must get the gradient
     of ONE loss: the chosen aggregation (`core_algos.agg_loss`) over all its trajectories on all
