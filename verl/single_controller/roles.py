@@ -273,14 +273,16 @@ class PolicyWorker(ProfiledWorker):
         """GPU memory the actor will still allocate in a step (its optimizer state before the first)."""
         return self.actor.pending_bytes()
 
-    def plan_memory(self, others_pending: float) -> None:
+    def plan_memory(self, others_pending: float) -> list[str]:
         """Token budgets and recomputed layers measured now, with the engine asleep and every role
-        built (verl.workers.memory); `others_pending`: what the critic on this GPU will still allocate."""
+        built (verl.workers.memory); `others_pending`: what the critic on this GPU will still allocate.
+        Returns the arithmetic, for the driver's log."""
         self._allocator_for(training=True)
-        self.actor.plan_memory(self.longest_row, others_pending)
+        notes = self.actor.plan_memory(self.longest_row, others_pending)
         if self.reference is not None:
             adam = 0.0 if self.actor.optimizer_offload else self.actor.pending_bytes()
-            self.reference.plan_memory(self.longest_row, others_pending + adam)
+            notes += self.reference.plan_memory(self.longest_row, others_pending + adam)
+        return notes
 
     def sleep_rollout(self, drop_weights: bool = False):
         if not self._asleep:
@@ -455,8 +457,8 @@ class CriticWorker(ProfiledWorker):
     def pending_bytes(self) -> float:
         return self.critic.pending_bytes()
 
-    def plan_memory(self, others_pending: float) -> None:
-        self.critic.plan_memory(self.longest_row, others_pending)
+    def plan_memory(self, others_pending: float) -> list[str]:
+        return self.critic.plan_memory(self.longest_row, others_pending)
 
     @phase
     def compute_values(self, batch: RolloutBatch) -> torch.Tensor:

@@ -97,9 +97,11 @@ def plan_memory(policy, critic) -> None:
     def pending(group):
         return max(group.get([w.pending_bytes.remote() for w in group.workers], "memory plan")) if group else 0.0
     critic_pending, policy_pending = pending(critic), pending(policy)
-    policy.get([w.plan_memory.remote(critic_pending) for w in policy.workers], "memory plan")
+    notes = policy.get([w.plan_memory.remote(critic_pending) for w in policy.workers], "memory plan")[0]
     if critic is not None:
-        critic.get([w.plan_memory.remote(policy_pending) for w in critic.workers], "memory plan")
+        notes += critic.get([w.plan_memory.remote(policy_pending) for w in critic.workers], "memory plan")[0]
+    for note in notes:   # rank 0's: the others agree on the budgets
+        log.info("memory plan: %s", note)
 
 
 def tool_chat_format(cfg, tokenizer):

@@ -203,16 +203,17 @@ class Reference:
         self.budgets = TokenBudgets.from_config((False, None), budget, False, device, {
             "forward": "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu"})
 
-    def plan_memory(self, longest_row: int, others_pending: float = 0.0) -> None:
+    def plan_memory(self, longest_row: int, others_pending: float = 0.0) -> list[str]:
         """Measure the forward budget if it is null (see TrainedModel.plan_memory)."""
         if not self.budgets.measure_forward:
-            return
+            return []
         from verl.workers import memory
         plan = memory.plan(self.model, None, self._probe_forward, role="reference", update_tokens=None,
                            forward_tokens=None, measure_update=False, measure_forward=True, choose_recompute=False,
                            longest_row=longest_row, pending_update=0.0, pending_forward=others_pending,
                            keys=self.budgets.keys)
         self.budgets = TokenBudgets(None, plan.forward_tokens)
+        return plan.notes
 
     def _probe_forward(self, tokens: int) -> None:
         batch = synthetic_batch(tokens, self.model.config.get_text_config().vocab_size)

@@ -19,6 +19,9 @@ every role is built and the rollout engine sleeps:
   third more compute per layer, and beyond that size a larger micro-batch buys little.
 - A run whose longest row does not fit even with every layer recomputed stops here, at start-up,
   with the figures and the keys to change.
+- The first real update checks the measurement: real rows cost more memory a token than the probes'
+  synthetic ones (on one H200 at 3B, a sixth more: benchmarks/RESULTS.md), so where its peak went
+  past what the plan allowed, the update's budget shrinks to the cost it measured (`correct`).
 
 On the CPU nothing is probed: budgets are CPU_TOKENS and every layer is recomputed (as before).
 """
@@ -103,6 +106,19 @@ class Plan:
     update_tokens: int
     forward_tokens: int
     recomputed_layers: int | None   # None: left as configured
+    notes: list[str]                # the arithmetic, for the trainer's log
+    update_line: Line | None = None  # what the update's budget was measured from (for `correct`)
+    update_available: float = 0.0
+
+
+def correct(budget: int, line: Line, available: float, observed: float, tokens: int) -> int:
+    """The update's budget after a real update: `observed` bytes above what was held before it, for a
+    largest micro-batch of `tokens`. The probes see synthetic rows; if the real rows cost more a
+    token, the budget shrinks to what the measured cost allows (all ranks take the smallest)."""
+    if observed <= available or tokens <= 0:
+        return int(all_reduce_scalar(budget, dist.ReduceOp.MIN))
+    per_token = max(line.per_token, (observed - line.fixed) / tokens)
+    return int(all_reduce_scalar(min(budget, Line(line.fixed, per_token).tokens(available)), dist.ReduceOp.MIN))
 
 
 def _between(none: Line, full: Line, k: int, layers: int) -> Line:
@@ -123,7 +139,7 @@ def plan(model, update_probe: Callable[[int], None] | None, forward_probe: Calla
     the update's and the forward's budgets and of the ratio, for messages. Every rank gets the same
     plan: the smallest budgets and the most recomputed layers of any rank."""
     longest_row = int(all_reduce_scalar(longest_row, dist.ReduceOp.MAX))
-    chosen = None
+    chosen, notes, update_line, update_avail = None, [], None, 0.0
     if choose_recompute or measure_update:
         avail = available_bytes(pending_update)
         if choose_recompute:
@@ -144,11 +160,12 @@ def plan(model, update_probe: Callable[[int], None] | None, forward_probe: Calla
             line = measure(update_probe)
             how = f"{line.per_token / 2**20:.2f} MiB a token"
         fits = int(all_reduce_scalar(line.tokens(avail), dist.ReduceOp.MIN))   # every rank decides alike
-        log.info("%s update: %.1f GiB available (free + cached - %.1f GiB pending - headroom), %.1f GiB fixed, %s: "
-                 "%d tokens fit", role, avail / GIB, pending_update / GIB, line.fixed / GIB, how, fits)
+        notes.append(f"{role} update: {avail / GIB:.1f} GiB available (free + cached - {pending_update / GIB:.1f} GiB "
+                     f"pending - headroom), {line.fixed / GIB:.1f} GiB fixed, {how}: {fits} tokens fit")
         if measure_update:
             update_tokens = min(fits, MAX_TOKENS)
-            log.info("%s update: %d tokens per micro-batch (%s)", role, update_tokens, keys["update"])
+            update_line, update_avail = line, avail
+            notes.append(f"{role} update: {update_tokens} tokens per micro-batch ({keys['update']})")
         if fits < longest_row or (update_tokens is not None and update_tokens < longest_row):
             raise RuntimeError(
                 f"{role}: a micro-batch of the update fits {fits} tokens on this GPU ({avail / GIB:.1f} GiB available, "
@@ -160,8 +177,8 @@ def plan(model, update_probe: Callable[[int], None] | None, forward_probe: Calla
         line = measure(forward_probe)
         avail = available_bytes(pending_forward)
         forward_tokens = int(all_reduce_scalar(min(line.tokens(avail), MAX_TOKENS), dist.ReduceOp.MIN))
-        log.info("%s log-prob passes: %.1f GiB available, %.2f MiB a token: %d tokens per micro-batch (%s)",
-                 role, avail / GIB, line.per_token / 2**20, forward_tokens, keys["forward"])
+        notes.append(f"{role} forward passes: {avail / GIB:.1f} GiB available, {line.per_token / 2**20:.2f} MiB a "
+                     f"token: {forward_tokens} tokens per micro-batch ({keys['forward']})")
         if forward_tokens < longest_row:
             raise RuntimeError(
                 f"{role}: a forward of {longest_row} tokens (the longest trajectory the run can produce) does not fit "
@@ -169,7 +186,9 @@ def plan(model, update_probe: Callable[[int], None] | None, forward_probe: Calla
                 "data.max_prompt_length or the response lengths, offload (fsdp_config.param_offload), or shard over "
                 "more GPUs")
     torch.cuda.empty_cache()
-    return Plan(update_tokens, forward_tokens, chosen)
+    for note in notes:
+        log.info(note)
+    return Plan(update_tokens, forward_tokens, chosen, notes, update_line, update_avail)
 
 
 def synthetic_batch(tokens: int, vocab_size: int) -> RolloutBatch:

@@ -3,6 +3,7 @@ over shards, AdamW, the learning-rate schedule, optimizer-state offload, loss un
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from collections.abc import Callable
@@ -231,14 +232,17 @@ class TrainedModel:
         self.state_masking = state_masking
         self.seed = seed
 
-    def plan_memory(self, longest_row: int, others_pending: float = 0.0) -> None:
+    _measured = None   # (Line, available bytes) of a budget measured at start-up, until the first update
+
+    def plan_memory(self, longest_row: int, others_pending: float = 0.0) -> list[str]:
         """Measure the token budgets left null and choose the recomputed layers (verl.workers.memory),
         once, while this GPU holds what it will hold during the step. `longest_row`: the longest
         trajectory the run can produce; `others_pending`: what another role on this GPU will still
-        allocate. Called at start-up by the trainer, else before the first pass that needs it."""
+        allocate. Called at start-up by the trainer, else before the first pass that needs it.
+        Returns the arithmetic of the choice, for the log."""
         b = self.budgets
         if not (b.measure_update or b.measure_forward or b.choose_recompute):
-            return
+            return []
         from verl.workers import memory
         adam = memory.optimizer_state_bytes(self.optimizer, self.optimizer_offload)
         plan = memory.plan(self.model, self._probe_update, self._probe_forward, role=self.role,
@@ -248,7 +252,23 @@ class TrainedModel:
                            pending_forward=(0.0 if self.optimizer_offload else adam) + others_pending, keys=b.keys)
         self.budgets = TokenBudgets(plan.update_tokens if b.update or b.measure_update else None,
                                     plan.forward_tokens if b.forward or b.measure_forward else None)
+        self._measured = (plan.update_line, plan.update_available) if plan.update_line else None
+        return plan.notes
 
+    def _check_measured_budget(self, held_before: float, largest_micro: int) -> None:
+        """After the first update with a measured budget: shrink it if the update's peak went past
+        what the plan allowed (verl.workers.memory.correct), with a warning."""
+        from verl.workers.memory import GIB, correct
+        line, available = self._measured
+        self._measured = None
+        observed = torch.cuda.max_memory_allocated() - held_before
+        budget = correct(self.budgets.update, line, available, observed, largest_micro)
+        if budget >= self.budgets.update:
+            return
+        note = (f"{self.role} update: {observed / GIB:.1f} GiB for micro-batches of up to {largest_micro} tokens, more "
+                f"than the {available / GIB:.1f} GiB planned: {budget} tokens per micro-batch from now on")
+        logger.warning(note)
+        self.budgets = dataclasses.replace(self.budgets, update=budget)
     def pending_bytes(self) -> float:
         """GPU memory this role will allocate during a step beyond what it holds now (its optimizer
         state before the first step, or while offloaded)."""
@@ -297,9 +317,13 @@ class TrainedModel:
             before_first_step(first)
         if self.optimizer_offload:
             move_optimizer_state(self.optimizer, self.device)
+        checking = self._measured is not None and torch.cuda.is_available()
+        if checking:
+            torch.cuda.reset_peak_memory_stats()
+            held_before = torch.cuda.memory_allocated()
         self.model.train()
         sums: dict[str, float] = {}
-        n_micro, grad_norms = 0, []
+        n_micro, grad_norms, largest_micro = 0, [], 0
         for epoch in range(self.ppo_epochs):
             minis = first if epoch == 0 else mini_batches(epoch)
             for mini in minis:
@@ -307,6 +331,7 @@ class TrainedModel:
                 self.optimizer.zero_grad(set_to_none=True)
                 micros = [mini.select(rows) for rows in micro_batches(mini, by_tokens, self.micro_batch_size)]
                 for micro in accumulation_steps(self.model, micros, self.unsharded_accumulation):
+                    largest_micro = max(largest_micro, int(micro.attention_mask_BT.sum()))
                     micro = micro.to(self.device)
                     mask_BR = self.loss_mask(micro)
                     weight = loss_units(mask_BR, self.loss_agg) / total_units * world_size() if total_units > 0 else 0.0
@@ -317,6 +342,8 @@ class TrainedModel:
                     n_micro += 1
                 grad_norms.append(self._optimizer_step())
         self.scheduler.step()
+        if checking:
+            self._check_measured_budget(held_before, largest_micro)
         if self.optimizer_offload:
             move_optimizer_state(self.optimizer, torch.device("cpu"))
         metrics = {k: v / max(1, n_micro) for k, v in sums.items()}
