@@ -60,6 +60,24 @@ FACTS = [
 ]
 
 
+# Tests that start a Ray cluster (the trainer through Ray, `ray start`) run one after another on one
+# pytest-xdist worker (`make test` runs two, `--dist loadgroup`): a Ray driver without an address joins
+# the latest cluster started on the node, and the multi-node test's `ray stop --force` ends every Ray
+# process there, so two at once would meet.
+RAY_TESTS = ("tests/verl/trainer/test_main_ppo.py", "tests/verl/trainer/test_multinode.py",
+             "tests/verl/trainer/test_checkpoint.py", "tests/verl/trainer/test_checkpoint_faults.py",
+             "tests/verl/trainer/test_tool_failures.py", "tests/verl/trainer/test_tool_protocol.py",
+             "tests/verl/trainer/test_original_keys.py", "tests/verl/trainer/test_config.py",
+             "tests/verl/single_controller/test_ray_group.py", "tests/benchmarks/test_bench_learning.py",
+             "tests/benchmarks/test_quick_benchmarks.py::test_quick[bench_grpo_step.py]")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.nodeid.startswith(RAY_TESTS):
+            item.add_marker(pytest.mark.xdist_group("ray"))
+
+
 def write_corpus(path: Path, facts=FACTS) -> Path:
     with open(path, "w") as f:
         for i, (title, text) in enumerate(facts):

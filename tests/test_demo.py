@@ -16,10 +16,13 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.mark.e2e
 @pytest.mark.timeout(2400)
-def test_demo_small(tmp_path):
+def test_demo_small(tmp_path, smollm2_dir):
     if reason := vllm_skip_reason():
         pytest.skip(reason)
     out = tmp_path / "demo"
+    # the session's SmolLM2 conversion stands in for the demo's own (it keeps a model dir it finds there)
+    out.mkdir()
+    (out / "smollm2").symlink_to(smollm2_dir, target_is_directory=True)
     r = subprocess.run([sys.executable, "-m", "search_r1.demo", "--small", "--out", str(out)], cwd=ROOT,
                        capture_output=True, text=True, timeout=2300, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])

@@ -35,6 +35,9 @@ def test_quick(script, tmp_path):
         args += ["--devices", "cpu,cpu"]  # the vectors sharded in two, as over several GPUs
     if script == "bench_grpo_step.py":
         args += ["--mini-batches", "2"]   # the original's recipe: two optimizer steps a training step
+    if script == "bench_rollout.py":  # vLLM's engine core in a process of its own, its steps recorded
+        args += ["--engine-core", "separate", "--baseline-repeats", "3", "--core-stats",
+                 "--timeline", str(tmp_path / "timeline.jsonl")]
     r = subprocess.run(args, capture_output=True, text=True, timeout=300, cwd=ROOT,
                        env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert r.returncode == 0, r.stderr[-3000:]
@@ -84,30 +87,67 @@ def test_quick(script, tmp_path):
                    and row["logprob_tokens_per_s"] > 0 and row["grad_norm"] > 0 for row in rows)
         assert rows[0]["grad_norm"] == pytest.approx(rows[1]["grad_norm"], rel=1e-3)
     if script == "bench_rollout.py":  # each agent row with its baselines over the same tokens; HF always runs
-        assert all(row["model_tokens"] > 0 and row["tokens_per_s"] > 0 and row["wall_s"] > 0 for row in rows)
-        engines = {"hf"} if vllm_skip_reason() else {"hf", "vllm"}
-        assert {row["engine"] for row in rows} == engines
-        agents = [row for row in rows if row["mode"] == "agent"]
-        assert {(row["engine"], row["schedule"]) for row in agents} >= {("hf", "sync"), ("hf", "async")}
-        assert sum(row["retrieval_calls"] for row in agents) > 0  # the tag bias makes the agent search
-        for agent in agents:
-            same = [row for row in rows if row["mode"] != "agent"
-                    and all(row[k] == agent[k] for k in ("engine", "trajectories", "schedule"))]
-            assert {row["mode"] for row in same} >= {"plain", "plain_with_obs"}
-            assert all(row["model_tokens"] == agent["model_tokens"] for row in same)
-            assert agent["ratio_to_plain"] > 0 and agent["ratio_to_plain_with_obs"] > 0
-            assert ("ratio_to_replay" in agent) == (agent["engine"] == "vllm")  # the replay needs vLLM's step loop
-            for row in same:  # a baseline row: its median wall, every repeat's, the agent's prompts (+ observations)
-                assert row["wall_s"] in row["wall_s_all"]
-                assert row["tokens_per_s"] == pytest.approx(row["model_tokens"] / row["wall_s"], rel=0.05)
-                obs = agent["observation_tokens"] if row["mode"] == "plain_with_obs" else 0
-                assert row["prompt_tokens"] == agent["prompt_tokens"] + obs
-            assert agent["turns_per_trajectory"] >= 1 and sum(agent["finish"].values()) == agent["trajectories"]
+        check_rollout_rows(rows, tmp_path / "timeline.jsonl")
     if script == "bench_encoder.py":  # on CPU the eager encoder only, compared with itself
         assert all(row["mode"] == "eager" and row["min_cosine_to_eager"] > 0.9999 for row in rows)
         assert [row["batch"] for row in rows] == [1, 8]
         assert all(row["queries_per_s"] > 0 and row["padded_length"] > 0 for row in rows)
         assert all(row["dim"] == 64 and row["layers"] == 2 for row in rows)  # --quick's small random encoder
+
+
+def check_rollout_rows(rows, timeline_path):
+    """bench_rollout.py --quick --engine-core separate --baseline-repeats 3 --core-stats --timeline: each
+    agent row with its baselines over the same tokens (HF always runs). vLLM's engine core runs in a
+    process of its own and every schedule steps it through the inter-process client; the baselines
+    run three times each and the rows give the median; the replay writes the agent's tokens, turn by
+    turn, with the same prefix-cache use; the core's timeline comes back from its process, with
+    vLLM's statistics of every core step."""
+    assert all(row["model_tokens"] > 0 and row["tokens_per_s"] > 0 and row["wall_s"] > 0 for row in rows)
+    engines = {"hf"} if vllm_skip_reason() else {"hf", "vllm"}
+    assert {row["engine"] for row in rows} == engines
+    agents = [row for row in rows if row["mode"] == "agent"]
+    assert {(row["engine"], row["schedule"]) for row in agents} >= {("hf", "sync"), ("hf", "async")}
+    assert sum(row["retrieval_calls"] for row in agents) > 0  # the tag bias makes the agent search
+    for agent in agents:
+        same = [row for row in rows if row["mode"] != "agent"
+                and all(row[k] == agent[k] for k in ("engine", "trajectories", "schedule"))]
+        assert {row["mode"] for row in same} >= {"plain", "plain_with_obs"}
+        assert all(row["model_tokens"] == agent["model_tokens"] for row in same)
+        assert agent["ratio_to_plain"] > 0 and agent["ratio_to_plain_with_obs"] > 0
+        assert ("ratio_to_replay" in agent) == (agent["engine"] == "vllm")  # the replay needs vLLM's step loop
+        for row in same:  # a baseline row: the median of its three walls, the agent's prompts (+ observations)
+            assert len(row["wall_s_all"]) == 3 and row["wall_s"] == sorted(row["wall_s_all"])[1]
+            assert row["tokens_per_s"] == pytest.approx(row["model_tokens"] / row["wall_s"], rel=0.05)
+            obs = agent["observation_tokens"] if row["mode"] == "plain_with_obs" else 0
+            assert row["prompt_tokens"] == agent["prompt_tokens"] + obs
+        assert agent["turns_per_trajectory"] >= 1 and sum(agent["finish"].values()) == agent["trajectories"]
+    vllm = [row for row in agents if row["engine"] == "vllm"]
+    if not vllm:
+        return
+    assert all(row["engine_core_client"] != "InprocClient" for row in rows if row["engine"] == "vllm")
+    assert {row["schedule"] for row in vllm} == {"sync", "async", "continuous"}
+    replays = [row for row in rows if row["mode"] == "replay"]
+    assert len(replays) == len(vllm)
+    for a, r in zip(vllm, replays):
+        assert r["model_tokens"] == a["model_tokens"] and len(r["wall_s_all"]) == 3
+        # The same requests, prefix for prefix (up to what the cache evicted in between).
+        assert r["prefix_cached_frac"] == pytest.approx(a["prefix_cached_frac"], abs=0.05)
+        assert a["ratio_to_replay"] == pytest.approx(r["wall_s"] / a["wall_s"], abs=_rounding(r["wall_s"], a["wall_s"]))
+        assert a["core_steps"] > 0 and 0 < a["core_span_s"] <= a["wall_s"]
+        assert 0 <= a["client_lag_ms_mean"] <= a["wall_s"] * 1000
+        if a["retrieval_calls"]:
+            assert 0 < a["retrieval_call_ms_p50"] <= a["retrieval_call_ms_p90"]
+    for a in (row for row in vllm if row["schedule"] == "continuous"):
+        # Every core step has its mode (eager on CPU: "NONE"); the first admission is a prefill.
+        assert sum(m["steps"] for m in a["core_modes"].values()) == a["core_steps"] - 1
+        assert 1 <= a["prefill_steps"] < a["core_steps"] and 0 < a["prefill_step_s"] < a["core_span_s"]
+        assert 0 < a["core_wait_frac"] <= 1  # the core waits for the model at least while it computes
+    timelines = [json.loads(line) for line in timeline_path.read_text().splitlines()]
+    assert {t["mode"] for t in timelines} == {"agent", "plain", "plain_with_obs", "replay"}
+    first = next(t for t in timelines if t["mode"] == "agent")
+    assert len(first["t"]) == len(first["batch"]) == vllm[0]["core_steps"] and first["t"] == sorted(first["t"])
+    assert len(first["tokens"]) == len(first["prefill_tokens"]) == len(first["waiting"]) == len(first["wait_ms"]) \
+        == len(first["graph"]) == len(first["t"])
 
 
 def quick_server(tmp_path, flag: str):
@@ -127,51 +167,6 @@ def test_server_with_worker_process(tmp_path):
     r, rows = quick_server(tmp_path, "--worker-process")
     assert rows and all(row["qps"] > 0 and row["worker_process"] for row in rows)
     assert "'encode':" in r.stdout  # the worker phases came back from the child
-
-
-def test_rollout_with_engine_core_in_its_own_process(tmp_path):
-    """--engine-core separate puts vLLM's engine core in another process; the continuous schedule
-    then steps it through the inter-process client and still writes trajectories. The baselines run
-    three times each and the rows compare with the median; the replay writes the agent's tokens,
-    turn by turn, with the same prefix-cache use; the core's timeline comes back from its process,
-    with vLLM's statistics of every core step (--core-stats)."""
-    if reason := vllm_skip_reason():
-        pytest.skip(reason)
-    out = tmp_path / "out.jsonl"
-    args = [sys.executable, str(ROOT / "benchmarks" / "bench_rollout.py"), "--quick", "--engine", "vllm",
-            "--schedules", "continuous", "--engine-core", "separate", "--baseline-repeats", "3", "--core-stats",
-            "--out", str(out), "--workdir", str(tmp_path / "work"), "--timeline", str(tmp_path / "timeline.jsonl")]
-    r = subprocess.run(args, capture_output=True, text=True, timeout=300, cwd=ROOT,
-                       env={**os.environ, "PYTHONPATH": str(ROOT)})
-    assert r.returncode == 0, r.stderr[-3000:]
-    rows = [json.loads(line) for line in out.read_text().splitlines()]
-    assert rows and all(row["engine_core_client"] != "InprocClient" for row in rows)
-    agent = [row for row in rows if row["mode"] == "agent"]
-    assert agent and all(row["schedule"] == "continuous" and row["model_tokens"] > 0 for row in agent)
-    baselines = [row for row in rows if row["mode"] in ("plain", "plain_with_obs")]
-    assert baselines and all(len(row["wall_s_all"]) == 3 and row["wall_s"] == sorted(row["wall_s_all"])[1]
-                             for row in baselines)
-    replays = [row for row in rows if row["mode"] == "replay"]
-    assert len(replays) == len(agent)
-    for a, r in zip(agent, replays):
-        assert r["model_tokens"] == a["model_tokens"] and len(r["wall_s_all"]) == 3
-        # The same requests, prefix for prefix (up to what the cache evicted in between).
-        assert r["prefix_cached_frac"] == pytest.approx(a["prefix_cached_frac"], abs=0.05)
-        assert a["ratio_to_replay"] == pytest.approx(r["wall_s"] / a["wall_s"], abs=_rounding(r["wall_s"], a["wall_s"]))
-        assert a["core_steps"] > 0 and 0 < a["core_span_s"] <= a["wall_s"]
-        assert 0 <= a["client_lag_ms_mean"] <= a["wall_s"] * 1000
-        # Every core step has its mode (eager on CPU: "NONE"); the first admission is a prefill.
-        assert sum(m["steps"] for m in a["core_modes"].values()) == a["core_steps"] - 1
-        assert 1 <= a["prefill_steps"] < a["core_steps"] and 0 < a["prefill_step_s"] < a["core_span_s"]
-        assert 0 < a["core_wait_frac"] <= 1  # the core waits for the model at least while it computes
-        if a["retrieval_calls"]:
-            assert 0 < a["retrieval_call_ms_p50"] <= a["retrieval_call_ms_p90"]
-    timelines = [json.loads(line) for line in (tmp_path / "timeline.jsonl").read_text().splitlines()]
-    assert {t["mode"] for t in timelines} == {"agent", "plain", "plain_with_obs", "replay"}
-    first = next(t for t in timelines if t["mode"] == "agent")
-    assert len(first["t"]) == len(first["batch"]) == agent[0]["core_steps"] and first["t"] == sorted(first["t"])
-    assert len(first["tokens"]) == len(first["prefill_tokens"]) == len(first["waiting"]) == len(first["wait_ms"]) \
-        == len(first["graph"]) == len(first["t"])
 
 
 def test_rollout_with_two_engines_sharing_the_device(tmp_path):
