@@ -123,7 +123,7 @@ class Actor(TrainedModel):
                 entropy_grad=self.cfg.entropy_coeff != 0)
         loss = logprobs_BR.mean() + (entropy_BR.mean() if entropy_BR.requires_grad else 0.0)
         loss.backward()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad(set_to_none=False)   # kept between probes (memory.measure)
 
     def _probe_forward(self, tokens: int) -> None:
         batch = synthetic_batch(tokens, self.model.config.get_text_config().vocab_size)

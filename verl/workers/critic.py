@@ -81,7 +81,7 @@ class Critic(TrainedModel):
         micro = synthetic_batch(tokens, self.model.config.get_text_config().vocab_size).to(self.device)
         self.model.train()
         self._values(micro).mean().backward()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad(set_to_none=False)   # kept between probes (memory.measure)
 
     def _probe_forward(self, tokens: int) -> None:
         batch = synthetic_batch(tokens, self.model.config.get_text_config().vocab_size)

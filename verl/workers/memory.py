@@ -19,9 +19,9 @@ every role is built and the rollout engine sleeps:
   third more compute per layer, and beyond that size a larger micro-batch buys little.
 - A run whose longest row does not fit even with every layer recomputed stops here, at start-up,
   with the figures and the keys to change.
-- The first real update checks the measurement: real rows cost more memory a token than the probes'
-  synthetic ones (on one H200 at 3B, a sixth more: benchmarks/RESULTS.md), so where its peak went
-  past what the plan allowed, the update's budget shrinks to the cost it measured (`correct`).
+- The first real update checks the measurement: where its peak went past what the plan allowed (real
+  rows costing more a token than the synthetic ones), the update's budget shrinks to the cost it
+  measured (`correct`), with a warning.
 
 On the CPU nothing is probed: budgets are CPU_TOKENS and every layer is recomputed (as before).
 """
@@ -61,9 +61,14 @@ class Line:
 
 
 def measure(probe: Callable[[int], None], sizes=PROBE_TOKENS) -> Line:
-    """Run `probe(tokens)` at each size and fit the peak memory above the current allocation. A
-    first, unmeasured run takes what happens once (torch.compile's compilation and autotuning)."""
+    """Run `probe(tokens)` at each size and fit the peak memory above what is held between passes.
+    A first, unmeasured run takes what happens once (torch.compile's compilation and autotuning) and
+    leaves what every pass keeps (gradients: the update's probes zero them in place), which joins the
+    fixed part. Without that, the peak of a small probe falls at the end of its backward, where the
+    gradients outweigh the activations, and the fit's slope comes out too low."""
+    before = torch.cuda.memory_allocated()
     probe(sizes[0])
+    kept = torch.cuda.memory_allocated() - before
     peaks = []
     for n in sizes:
         torch.cuda.synchronize()
@@ -74,7 +79,7 @@ def measure(probe: Callable[[int], None], sizes=PROBE_TOKENS) -> Line:
         peaks.append(torch.cuda.max_memory_allocated() - base)
     (n0, n1), (p0, p1) = sizes, peaks
     per_token = max(0.0, (p1 - p0) / (n1 - n0))
-    return Line(fixed=max(0.0, p0 - per_token * n0), per_token=per_token)
+    return Line(fixed=max(0.0, p0 - per_token * n0) + max(0, kept), per_token=per_token)
 
 
 def available_bytes(pending: float) -> float:

@@ -250,6 +250,8 @@ class TrainedModel:
                            measure_forward=b.measure_forward, choose_recompute=b.choose_recompute,
                            longest_row=longest_row, pending_update=adam + others_pending,
                            pending_forward=(0.0 if self.optimizer_offload else adam) + others_pending, keys=b.keys)
+        self.optimizer.zero_grad(set_to_none=True)   # the probes' gradients
+        torch.cuda.empty_cache()
         self.budgets = TokenBudgets(plan.update_tokens if b.update or b.measure_update else None,
                                     plan.forward_tokens if b.forward or b.measure_forward else None)
         self._measured = (plan.update_line, plan.update_available) if plan.update_line else None
