@@ -714,7 +714,7 @@ YAML_HEADER = """\
 #
 # Trainer configuration, Hydra's primary config for python -m verl.trainer.main_ppo key=value ...:
 # every key with its default, unit and meaning. Keys follow the original train_ppo.sh/train_grpo.sh
-# where they mean the same thing (README lists the ones that changed); keys of the original that
+# where they mean the same thing (docs/TRAINING.md lists the ones that changed); keys of the original that
 # are accepted and unused say so. "Summed over all GPUs": divided by the number of workers."""
 
 
