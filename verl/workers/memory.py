@@ -176,8 +176,8 @@ def plan(model, update_probe: Callable[[int], None] | None, forward_probe: Calla
                 f"{role}: a micro-batch of the update fits {fits} tokens on this GPU ({avail / GIB:.1f} GiB available, "
                 f"{line.per_token / 2**20:.2f} MiB a token, {line.fixed / GIB:.1f} GiB fixed) with a budget of "
                 f"{update_tokens or '-'} ({keys['update']}), and the longest trajectory the run can produce has "
-                f"{longest_row} tokens. Lower data.max_prompt_length or the response lengths, recompute layers ({keys['ratio']}), "
-                "offload (fsdp_config.optimizer_offload, param_offload), or shard over more GPUs")
+                f"{longest_row} tokens. Lower data.max_prompt_length or the response lengths, recompute layers "
+                f"({keys['ratio']}), offload (fsdp_config.optimizer_offload, param_offload), or shard over more GPUs")
     if measure_forward:
         line = measure(forward_probe)
         avail = available_bytes(pending_forward)
