@@ -72,6 +72,7 @@ RAY_TESTS = ("tests/verl/trainer/test_main_ppo.py", "tests/verl/trainer/test_mul
              "tests/benchmarks/test_quick_benchmarks.py::test_quick[bench_grpo_step.py]")
 
 
+@pytest.hookimpl(tryfirst=True)   # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.nodeid.startswith(RAY_TESTS):
