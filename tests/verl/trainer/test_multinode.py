@@ -7,9 +7,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 import uuid
+from pathlib import Path
 
 import pytest
 
@@ -38,8 +41,32 @@ def two_node_cluster(tmp_path, monkeypatch):
                        capture_output=True, timeout=180)
         yield f"127.0.0.1:{port}"
     finally:
-        subprocess.run(["ray", "stop", "--force"], env=env, capture_output=True, timeout=120)
+        stop_cluster((temp, f":{port} ", f"gcs_server_port={port} "))
         shutil.rmtree(temp, ignore_errors=True)
+
+
+def stop_cluster(marks: tuple[str, ...], grace_s: float = 10.0) -> None:
+    """End the processes of this cluster alone: those whose command line names its temp dir or its
+    GCS port (as host:port, on 127.0.0.1 or the node's address). `ray stop --force` would end every Ray process on the host, other tests' clusters too."""
+    def ours() -> list[int]:
+        pids = []
+        for proc in Path("/proc").glob("[0-9]*"):
+            try:
+                cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if int(proc.name) != os.getpid() and any(mark in cmdline for mark in marks):
+                pids.append(int(proc.name))
+        return pids
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in ours():
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.time() + grace_s
+        while ours() and time.time() < deadline:
+            time.sleep(0.2)
 
 
 def test_grpo_across_two_ray_nodes(two_node_cluster, tiny_model_dir, bundled_data, bm25_server, tmp_path):

@@ -255,7 +255,7 @@ def test_runner_keeps_num_workers_and_rate_limit():
 def test_rate_limit_is_shared_by_the_workers_of_a_node():
     """Two runners (two rollout workers) under one Ray instance take tokens from one bucket actor."""
     import ray
-    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
     try:
         a, b = SlowTool({"num_workers": 8, "rate_limit": 3}), SlowTool({"num_workers": 8, "rate_limit": 3})
         runners = [ToolRunner({"slow": a}), ToolRunner({"slow": b})]
