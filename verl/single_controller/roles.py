@@ -116,9 +116,9 @@ def expandable_segments(on: bool) -> None:
     """Switch PyTorch's allocator to expandable segments (on) or back to fixed blocks (off). Training
     passes allocate tensors of a new length at every micro-batch; in fixed blocks the cache fragments
     and the update's reserved memory grew well past its allocated peak until a step ran out of memory.
-    Off while the engine wakes and weights are pushed to it: vLLM's sleeping allocator and the push's
-    CUDA IPC handles work with fixed blocks only. New blocks follow the setting; `release_cached_memory`
-    returns the others after each update."""
+    Off while the engine wakes and weights are pushed to it: vLLM's sleep mode refuses expandable
+    segments, and the push hands CUDA IPC handles of its tensors to the engine's process. New blocks
+    follow the setting; `release_cached_memory` returns the others after each update."""
     torch.cuda.memory._set_allocator_settings(f"expandable_segments:{on}")
 
 
@@ -181,6 +181,7 @@ class ProfiledWorker:
 
 class PolicyWorker(ProfiledWorker):
     _expandable = False   # allocator switching (expandable_segments), decided in setup
+
     def __init__(self, rank: int, cfg: TrainerConfig, sizes: Sizes, total_steps: int, device: str):
         self.rank, self.cfg, self.sizes, self.total_steps, self.device = rank, cfg, sizes, total_steps, device
 
