@@ -16,9 +16,10 @@ install:
 	$(PIP) uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 
 # Two pytest-xdist workers, a test file at a time on each: the end-to-end tests spend much of their
-# time in one process at a time (imports, start-up), so a second one fills the other core.
+# time in one process at a time (imports, start-up), so a second one fills the other core. The files
+# go in the order tests/conftest.py gives them (the longest first), not by their number of tests.
 test: install
-	$(PYTHON) -m pytest -q -n 2 --dist loadfile tests
+	$(PYTHON) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder tests
 
 # The unit tier: everything but the end-to-end tests (`-m e2e`), which `make test` runs too.
 test-fast:
