@@ -47,7 +47,7 @@ _DYNAMIC_BSZ_HELP = ("cut micro-batches by tokens (prompt and response) instead 
                      "is the tokens, whose count the policy decides. Every GPU runs the same number of micro-batches, "
                      "each nearly even; the loss is scaled by tokens as with trajectory micro-batches")
 _TOKEN_BUDGET_HELP = ("tokens per {what} on one GPU with {switch}; null: the most that fit, measured at start-up once "
-                      "the engine sleeps (verl.workers.memory; 4,096 on the CPU)")
+                      "the engine sleeps (verl.workers.memory; 2,048 on the CPU)")
 _REMOVE_PADDING_HELP = "the original's padding-free switch: accepted and unused (the forward is always padding-free)"
 
 

@@ -47,7 +47,8 @@ PROBE_ROW = 1024              # tokens per synthetic row (prompt and response)
 TARGET_TOKENS = 8192          # what a micro-batch should reach before layers are recomputed
 MAX_TOKENS = 65536            # no budget beyond this (4× past what the probes measured is a guess)
 HEADROOM = 0.08               # share of the GPU kept free for fragmentation and what the probes miss
-CPU_TOKENS = 4096
+CPU_TOKENS = 2048             # on the CPU, where nothing is measured: about what the demo's micro-batches
+                              # of 4 trajectories held before
 
 
 @dataclass
