@@ -17,7 +17,7 @@ from verl.workers.distributed import compute_device, mixed_precision_context, sh
 from verl.workers.modeling import build_causal_lm, compile_layers, pick_attn_implementation
 from verl.workers.packing import forward_packed, tokens_per_pack
 from verl.workers.memory import synthetic_batch
-from verl.workers.update import TokenBudgets, TrainedModel, micro_batches
+from verl.workers.update import TokenBudgets, TrainedModel, micro_batches, plan_before_first_pass
 
 
 def checkpointed_share(model: ModelConfig) -> float:
@@ -70,6 +70,13 @@ def _logprobs_in_micro_batches(model, batch: RolloutBatch, micro_batch_size: int
     return logprobs_BR, entropy_BR
 
 
+def _probe_logprobs(role, tokens: int) -> None:
+    """One no-grad log-prob pass of `tokens` synthetic tokens, as the log-prob passes run them (memory plan)."""
+    batch = synthetic_batch(tokens, role.model.config.get_text_config().vocab_size)
+    _logprobs_in_micro_batches(role.model, batch, len(batch), None, role.temperature, role.max_tokens_per_pack,
+                               False, role.mixed_precision)
+
+
 class Actor(TrainedModel):
     """FSDP2-sharded causal LM trained with the PPO clipped loss (plus entropy bonus and KL loss).
 
@@ -108,7 +115,7 @@ class Actor(TrainedModel):
         return self.compute_logprobs_and_entropy(batch, entropy=False)[0]
 
     def compute_logprobs_and_entropy(self, batch: RolloutBatch, entropy: bool = True):
-        self.plan_memory(int(batch.attention_mask_BT.sum(1).max()))
+        plan_before_first_pass(self, batch)
         return _logprobs_in_micro_batches(self.model, batch, self.micro_batch_size, self.budgets.forward,
                                           self.temperature, self.max_tokens_per_pack, entropy, self.mixed_precision)
 
@@ -126,9 +133,7 @@ class Actor(TrainedModel):
         self.optimizer.zero_grad(set_to_none=False)   # kept between probes (memory.measure)
 
     def _probe_forward(self, tokens: int) -> None:
-        batch = synthetic_batch(tokens, self.model.config.get_text_config().vocab_size)
-        _logprobs_in_micro_batches(self.model, batch, len(batch), None, self.temperature, self.max_tokens_per_pack,
-                                   False, self.mixed_precision)
+        _probe_logprobs(self, tokens)
 
     def update(self, batch: RolloutBatch, mini_batch_size: int, shuffle: bool = True,
                loss_norm_length: float | None = None) -> dict[str, float]:
@@ -205,7 +210,7 @@ class Reference:
 
     def plan_memory(self, longest_row: int, others_pending: float = 0.0) -> list[str]:
         """Measure the forward budget if it is null (see TrainedModel.plan_memory)."""
-        if not self.budgets.measure_forward:
+        if not self.budgets.unplanned:
             return []
         from verl.workers import memory
         plan = memory.plan(self.model, None, self._probe_forward, role="reference", update_tokens=None,
@@ -216,12 +221,10 @@ class Reference:
         return plan.notes
 
     def _probe_forward(self, tokens: int) -> None:
-        batch = synthetic_batch(tokens, self.model.config.get_text_config().vocab_size)
-        _logprobs_in_micro_batches(self.model, batch, len(batch), None, self.temperature, self.max_tokens_per_pack,
-                                   False, self.mixed_precision)
+        _probe_logprobs(self, tokens)
 
     def compute_logprobs(self, batch: RolloutBatch) -> torch.Tensor:
         """ref_logprobs_BR (fp32, CPU, 0 on padding)."""
-        self.plan_memory(int(batch.attention_mask_BT.sum(1).max()))
+        plan_before_first_pass(self, batch)
         return _logprobs_in_micro_batches(self.model, batch, self.micro_batch_size, self.budgets.forward,
                                           self.temperature, self.max_tokens_per_pack, False, self.mixed_precision)[0]

@@ -21,7 +21,7 @@ from verl.workers.distributed import compute_device, mixed_precision_context, sh
 from verl.workers.modeling import build_value_model, pick_attn_implementation
 from verl.workers.packing import tokens_per_pack, values_packed
 from verl.workers.memory import synthetic_batch
-from verl.workers.update import TokenBudgets, TrainedModel, micro_batches
+from verl.workers.update import TokenBudgets, TrainedModel, micro_batches, plan_before_first_pass
 
 
 class Critic(TrainedModel):
@@ -66,7 +66,7 @@ class Critic(TrainedModel):
 
     def compute_values(self, batch: RolloutBatch) -> torch.Tensor:
         """values_BR (fp32, CPU, 0 on padding)."""
-        self.plan_memory(int(batch.attention_mask_BT.sum(1).max()))
+        plan_before_first_pass(self, batch)
         return self._values_in_micro_batches(batch, self.budgets.forward)
 
     @torch.no_grad()

@@ -111,7 +111,6 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 class Plan:
     update_tokens: int
     forward_tokens: int
-    recomputed_layers: int | None   # None: left as configured
     notes: list[str]                # the arithmetic, for the trainer's log
     update_line: Line | None = None  # what the update's budget was measured from (for `correct`)
     update_available: float = 0.0
@@ -145,7 +144,7 @@ def plan(model, update_probe: Callable[[int], None] | None, forward_probe: Calla
     the update's and the forward's budgets and of the ratio, for messages. Every rank gets the same
     plan: the smallest budgets and the most recomputed layers of any rank."""
     longest_row = int(all_reduce_scalar(longest_row, dist.ReduceOp.MAX))
-    chosen, notes, update_line, update_avail = None, [], None, 0.0
+    notes, update_line, update_avail = [], None, 0.0
     if choose_recompute or measure_update:
         avail = available_bytes(pending_update)
         if choose_recompute:
@@ -194,7 +193,7 @@ def plan(model, update_probe: Callable[[int], None] | None, forward_probe: Calla
     torch.cuda.empty_cache()
     for note in notes:
         log.info(note)
-    return Plan(update_tokens, forward_tokens, chosen, notes, update_line, update_avail)
+    return Plan(update_tokens, forward_tokens, notes, update_line, update_avail)
 
 
 def synthetic_batch(tokens: int, vocab_size: int) -> RolloutBatch:

@@ -160,6 +160,10 @@ class TokenBudgets:
     choose_recompute: bool = False
     keys: dict | None = None   # config keys named in messages: update, forward, ratio
 
+    @property
+    def unplanned(self) -> bool:
+        return self.measure_update or self.measure_forward or self.choose_recompute
+
     @classmethod
     def from_config(cls, update: tuple[bool, int | None], forward: tuple[bool, int | None], choose_recompute: bool,
                     device: torch.device, keys: dict) -> "TokenBudgets":
@@ -172,6 +176,13 @@ class TokenBudgets:
             return (value or (None if gpu else CPU_TOKENS)) if dynamic else None
         return cls(tokens(*update), tokens(*forward), gpu and update[0] and not update[1],
                    gpu and forward[0] and not forward[1], gpu and update[0] and choose_recompute, keys)
+
+
+def plan_before_first_pass(role, batch: RolloutBatch) -> None:
+    """`role.plan_memory` with the batch's longest row, where a budget is still to be measured
+    (runs without the trainer's start-up call: benchmarks, tests)."""
+    if role.budgets.unplanned:
+        role.plan_memory(int(batch.attention_mask_BT.sum(1).max()))
 
 
 MicroLoss = Callable[[RolloutBatch, torch.Tensor], tuple[torch.Tensor, dict[str, float]]]
@@ -241,7 +252,7 @@ class TrainedModel:
         allocate. Called at start-up by the trainer, else before the first pass that needs it.
         Returns the arithmetic of the choice, for the log."""
         b = self.budgets
-        if not (b.measure_update or b.measure_forward or b.choose_recompute):
+        if not b.unplanned:
             return []
         from verl.workers import memory
         adam = memory.optimizer_state_bytes(self.optimizer, self.optimizer_offload)
@@ -304,7 +315,7 @@ class TrainedModel:
         stats averaged over micro-batches, grad_norm averaged over optimizer steps, and lr.
         `before_first_step(minis)`: called with the first epoch's mini-batches, in training order,
         while the weights are still those of the rollout (it may fill in their fields)."""
-        self.plan_memory(int(batch.attention_mask_BT.sum(1).max()))
+        plan_before_first_pass(self, batch)
         by_tokens = self.budgets.update
         check_batch_sizes(len(batch), mini_batch_size, mini_batch_size if by_tokens else self.micro_batch_size,
                           self.role)
