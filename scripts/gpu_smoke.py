@@ -17,8 +17,6 @@ before calling a change to a GPU path done. Parts:
                   Dr.GRPO advantages)
 - grpo-0.5b       two GRPO steps of a Qwen2.5-0.5B-shaped model through `verl.trainer.main_ppo` (Ray),
                   two optimizer steps in each; the second rollout follows a weight sync
-- grpo-0.5b-overlap  two such steps with `trainer.overlap_rollout=true` (the second trains on the
-                  batch generated during the first)
 - dense-server    `search-r1 index build` on the GPU and `search-r1 serve` over that dense index,
                   answering concurrent requests
 
@@ -119,13 +117,6 @@ def parts(out: Path, gpu_count: int, tokenizer: str) -> list[Part]:
                                  "actor_rollout_ref.actor.entropy_coeff=0.001",
                                  "actor_rollout_ref.rollout.top_p=0.95")],
              lambda: expect_rows(out / "grpo.jsonl", 2)),
-        # the next step's rollout in a thread beside training (trainer.overlap_rollout): two steps,
-        # so that the second trains on the batch generated during the first
-        Part("grpo-0.5b-overlap", 1, [sh(PY, ROOT / "benchmarks" / "bench_grpo_step.py", "--shape", "0.5b",
-                                         "--steps", 2, "--prompts", 8, "--n", 4, "--max-turns", 2,
-                                         "--search-every", 100, "--workdir", out / "grpo-overlap",
-                                         "--out", out / "grpo-overlap.jsonl", "trainer.overlap_rollout=true")],
-             lambda: expect_rows(out / "grpo-overlap.jsonl", 2)),
         Part("dense-server", 1, [
             sh(PY, "-m", "search_r1.cli", "index", "build", "--corpus_path", corpus, "--out", dense,
                "--retriever_model", enc),

@@ -9,7 +9,6 @@ import dataclasses
 import logging
 import os
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
@@ -76,15 +75,11 @@ def agent_schedule(rollout, device: str) -> str:
     return "continuous" if rollout.name == "vllm" and device == "cuda" else "sync"
 
 
-def release_cached_memory(overlap_rollout: bool) -> dict:
+def release_cached_memory() -> dict:
     """After an update, give the blocks PyTorch's allocator keeps cached back to the GPU, so that
     what comes next on it can use them: the engine waking up, or, without sleep mode, other
     processes sharing the GPU (the cache of an update's peak would otherwise be held through the
-    whole rollout). Not while the next rollout runs beside training (trainer.overlap_rollout): it
-    allocates meanwhile, and the update would pay for its blocks again at every step for nothing.
-    Returns the memory this process still holds, as a metric."""
-    if overlap_rollout:
-        return {}
+    whole rollout). Returns the memory this process still holds, as a metric."""
     torch.cuda.empty_cache()
     return {"memory/after_update_reserved_gib": torch.cuda.memory_reserved() / 2**30}
 
@@ -158,10 +153,10 @@ def rollout_logprobs_BR(trajectories, width: int, loop_cls) -> torch.Tensor:
     for i, t in enumerate(trajectories):
         values = getattr(t, "rollout_logprobs", None)
         if values is None:
-            raise RuntimeError(f"trainer.overlap_rollout needs the log-prob of every sampled token, and the agent "
-                               f"loop {loop_cls.__module__}:{loop_cls.__name__} returned a trajectory without "
-                               "them (Trajectory.rollout_logprobs): pass Generation.logprobs on, or set "
-                               "trainer.overlap_rollout=false")
+            raise RuntimeError(f"actor_rollout_ref.rollout.calculate_log_probs needs the log-prob of every sampled "
+                               f"token, and the agent loop {loop_cls.__module__}:{loop_cls.__name__} returned a "
+                               "trajectory without them (Trajectory.rollout_logprobs): pass Generation.logprobs "
+                               "on, or set actor_rollout_ref.rollout.calculate_log_probs=false")
         out_BR[i, :len(values)] = torch.tensor(values, dtype=torch.float32)
     return out_BR
 
@@ -208,12 +203,6 @@ class PolicyWorker(ProfiledWorker):
         from verl.workers.rollout.agent_loop import load_agent_loop
 
         cfg, arr = self.cfg, self.cfg.actor_rollout_ref
-        if (cfg.trainer.overlap_rollout and self.sizes.world > 1 and arr.rollout.name == "vllm"
-                and not separate_engine_core(arr.rollout, self.device)):
-            # In-process engines join the workers' process group (external launcher): their calls
-            # from the rollout thread would interleave with the update's collectives.
-            raise ValueError("trainer.overlap_rollout with several workers needs vLLM's engine core in a process "
-                             "of its own: set actor_rollout_ref.rollout.engine_core=separate")
         torch.manual_seed(cfg.trainer.seed + self.rank)
         _init_process_group(self.rank, self.sizes.world, master_addr, master_port, self.device)
         path = arr.model.path
@@ -225,9 +214,7 @@ class PolicyWorker(ProfiledWorker):
             separate = separate_engine_core(rollout, self.device)
             vllm_kw = dict(gpu_memory_utilization=rollout.gpu_memory_utilization,
                            max_model_len=rollout.max_model_len or budget,
-                           # overlap_rollout: the engine generates while the actor trains, so it never sleeps
-                           enable_sleep_mode=(rollout.enable_sleep and self.device == "cuda"
-                                              and not cfg.trainer.overlap_rollout),
+                           enable_sleep_mode=rollout.enable_sleep and self.device == "cuda",
                            enforce_eager=rollout.enforce_eager,
                            tensor_parallel_size=rollout.tensor_model_parallel_size, separate_core=separate,
                            **vllm_engine_kwargs(rollout, self.sizes.world, separate, self.device))
@@ -260,9 +247,6 @@ class PolicyWorker(ProfiledWorker):
         self._peaks: dict[str, float] = {}   # this step's log-prob passes (memory/…_peak_allocated_gib)
         self._asleep = False
         self.sleep_rollout()
-        # trainer.overlap_rollout: the next step's rollout runs in a thread of this process (generate_ahead)
-        self._ahead_pool = ThreadPoolExecutor(1, thread_name_prefix="rollout-ahead") if cfg.trainer.overlap_rollout else None
-        self._ahead: Future | None = None
 
     # -- rollout -------------------------------------------------------------------------------
 
@@ -285,10 +269,10 @@ class PolicyWorker(ProfiledWorker):
             notes += self.reference.plan_memory(self.longest_row, others_pending + adam)
         return notes
 
-    def sleep_rollout(self, drop_weights: bool = False):
+    def sleep_rollout(self):
         if not self._asleep:
             try:
-                self.engine.sleep(drop_weights=drop_weights)
+                self.engine.sleep()
             except Exception as error:
                 raise shared_gpu_error(error) from error
             self._asleep = True
@@ -302,15 +286,12 @@ class PolicyWorker(ProfiledWorker):
 
     @phase
     def generate(self, prompts: list[list[int]], group_ids: list[int], temperature: float,
-                 top_p: float, max_tokens: int, seed: int | None = None, logprobs: bool = False,
-                 weights_follow: bool = False) -> RolloutBatch:
+                 top_p: float, max_tokens: int, seed: int | None = None, logprobs: bool = False) -> RolloutBatch:
         """The agent loop over `prompts`; `seed` (the step's, for this worker) makes its samples the
         same in a resumed run as in an uninterrupted one: each request's own (vLLM on CPU ignores
         those), or with rollout.request_seeds=false the engine's one stream, re-seeded here, which
         repeats where the requests reach the engine in the same batches. `logprobs`: keep the
-        engine's log-prob of every sampled token (batch.rollout_logprobs_BR). `weights_follow`: the
-        actor's new weights are pushed before the engine generates again, so with
-        rollout.sleep_level=2 it sleeps without its weights."""
+        engine's log-prob of every sampled token (batch.rollout_logprobs_BR)."""
         from verl.workers.rollout.engines import SamplingConfig
         self.wake_rollout()
         rollout = self.cfg.actor_rollout_ref.rollout
@@ -320,7 +301,7 @@ class PolicyWorker(ProfiledWorker):
         bias = rollout.logit_bias or None
         trajectories = self.agent.run(prompts, SamplingConfig(temperature, top_p, max_tokens, seed=seed,
                                                               logit_bias=bias, logprobs=logprobs))
-        self.sleep_rollout(drop_weights=weights_follow and rollout.sleep_level == 2)
+        self.sleep_rollout()
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         batch = pack_trajectories(prompts, [t.response_ids for t in trajectories],
                                   [t.loss_mask for t in trajectories], group_ids, pad)
@@ -336,25 +317,10 @@ class PolicyWorker(ProfiledWorker):
         return batch
 
     @phase
-    def generate_ahead(self, *args) -> None:
-        """Start `generate(*args)` in a thread of this process and return at once: the next step's
-        rollout runs while this step trains (trainer.overlap_rollout). `take_ahead` returns it."""
-        if self._ahead_pool is None or self._ahead is not None:
-            raise RuntimeError("generate_ahead needs trainer.overlap_rollout and no rollout ahead running")
-        self._ahead = self._ahead_pool.submit(self.generate, *args)
-
-    def take_ahead(self) -> RolloutBatch:
-        """The batch of the rollout `generate_ahead` started, once it has finished."""
-        if self._ahead is None:
-            raise RuntimeError("no rollout ahead was started on this worker")
-        future, self._ahead = self._ahead, None
-        return future.result()
-
-    @phase
     def sync_weights(self) -> float:
         """Push the actor's current weights into the rollout engine, in memory. The engine stays awake:
         what the trainer runs on it next is the rollout (or a validation), which would wake it again at
-        once; rollout.sleep_after_sync=true puts it back to sleep."""
+        once."""
         from verl.workers.distributed import full_state_dict_iter
         t0 = time.perf_counter()
         self.wake_rollout()
@@ -362,8 +328,6 @@ class PolicyWorker(ProfiledWorker):
         # Gathered in the engine's dtype (bf16 on GPU: half the bytes of the fp32 master weights).
         with explain_out_of_memory("pushing the actor's weights into the rollout engine", rollout):
             self.engine.load_weights(full_state_dict_iter(self.actor.model, dtype=self.engine.dtype))
-        if rollout.sleep_after_sync:
-            self.sleep_rollout()
         return time.perf_counter() - t0
 
     def shutdown(self) -> None:
@@ -411,7 +375,7 @@ class PolicyWorker(ProfiledWorker):
                         "memory/update_peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30}
             metrics |= self._peaks
             self._peaks = {}
-            metrics |= release_cached_memory(self.cfg.trainer.overlap_rollout)
+            metrics |= release_cached_memory()
         return metrics
 
     # -- checkpoints ---------------------------------------------------------------------------
@@ -469,7 +433,7 @@ class CriticWorker(ProfiledWorker):
     def update_critic(self, batch: RolloutBatch) -> dict:
         metrics = self.critic.update(batch, self.sizes.mini_batch_trajectories_per_worker)
         if self.device == "cuda":
-            metrics |= release_cached_memory(self.cfg.trainer.overlap_rollout)
+            metrics |= release_cached_memory()
         return metrics
 
     def save(self, root: str, step: int, trainer_state: dict, keep_last: int) -> None:

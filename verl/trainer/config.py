@@ -135,9 +135,9 @@ class ActorConfig:
                                      "own forward gives the log-probs the ratio starts from, and each worker "
                                      "computes the later mini-batches' ones before its first optimizer step | "
                                      "recompute: always that pass")
-    rollout_is_cap: float = key(2.0, "off-policy steps (trainer.overlap_rollout): each model token's loss is "
-                                     "weighted by pi_old / pi_rollout, the importance weight of the policy being "
-                                     "trained over the one that sampled it, truncated at this value (>= 1)")
+    rollout_is_cap: float = key(2.0, "with rollout.calculate_log_probs: each model token's loss is weighted by "
+                                     "pi_old / pi_rollout, the importance weight of the policy being trained over "
+                                     "the engine that sampled it, truncated at this value (>= 1)")
     grad_clip: float = key(1.0, "largest global gradient norm, clipped above it (the critic's too)")
     clip_ratio_low: float = key(0.2, "PPO clip: the probability ratio is clipped below at 1 - clip_ratio_low")
     clip_ratio_high: float = key(0.2, "PPO clip: the probability ratio is clipped above at 1 + clip_ratio_high")
@@ -215,13 +215,10 @@ class RolloutConfig:
                                            "a GPU")
     enable_sleep: bool = key(True, "vLLM on a GPU: free the engine's memory (KV cache, weights) while the actor "
                                    "trains")
-    sleep_level: int = key(1, "with enable_sleep, where the engine's weights go while it sleeps after a training "
-                              "rollout: 1 copies them to host memory and back; 2 drops them, as the actor's new "
-                              "weights are pushed before the engine runs again (no copy either way, no host "
-                              "memory). Other sleeps (after a validation, or a rollout no update follows) keep "
-                              "them")
-    sleep_after_sync: bool = key(False, "with enable_sleep: put the engine back to sleep after each weight sync; "
-                                        "false keeps it awake into the next rollout (one wake and sleep a step fewer)")
+    calculate_log_probs: bool = key(False, "keep the engine's log-prob of every sampled token and weight the "
+                                           "actor's loss by truncated importance ratios against them "
+                                           "(actor.rollout_is_cap), correcting for the engine's numerics differing "
+                                           "from the trainer's; logged as rollout_is_*")
     log_prob_micro_batch_size: int = key(128, "the original's micro-batch of the old log-probs: checked to be a "
                                               "positive multiple of the workers, otherwise unused (old log-probs "
                                               "run in actor.ppo_micro_batch_size micro-batches)")
@@ -445,16 +442,6 @@ class RunConfig:
     default_hdfs_dir: str | None = key(None, "the original's HDFS copy of checkpoints: only null (checkpoints stay "
                                              "in default_local_dir)")
     keep_last_checkpoints: int = key(2, "checkpoints kept; older ones are deleted once a newer one is complete")
-    overlap_rollout: bool = key(False, "generate the next step's trajectories while this step trains, so that a "
-                                       "step waits for the longer of the two instead of their sum; on a GPU of its "
-                                       "own the training passes beside the rollout thread slowed down more than "
-                                       "that saved, least with rollout.engine_core=in_process, one CUDA context "
-                                       "(benchmarks/RESULTS.md), so use it, with that, where something outside "
-                                       "the worker slows the rollout, e.g. slow searches. Those trajectories "
-                                       "are one update old: the actor loss corrects with truncated importance "
-                                       "weights (actor.rollout_is_cap) from the engine's log-probs. The engine "
-                                       "stays awake while the actor trains (no sleep mode): leave room with "
-                                       "rollout.gpu_memory_utilization. Off: every step is on-policy")
     profile_steps: list | None = key_factory(list, "training steps (1 = the first) recorded by torch.profiler in "
                                              "every worker: each writes <default_local_dir>/profile/"
                                              "step<N>_<role><rank>.json.gz (a Chrome trace of its CPU operators and "
@@ -530,9 +517,6 @@ def _check_original_keys(cfg: TrainerConfig) -> None:
     if cfg.actor_rollout_ref.rollout.n != 1:
         raise ConfigError(f"actor_rollout_ref.rollout.n={cfg.actor_rollout_ref.rollout.n}: samples per prompt are "
                           "set by actor_rollout_ref.rollout.n_agent (as in the original Search-R1 scripts)")
-    if cfg.actor_rollout_ref.rollout.sleep_level not in (1, 2):
-        raise ConfigError(f"actor_rollout_ref.rollout.sleep_level={cfg.actor_rollout_ref.rollout.sleep_level}: "
-                          "1 (the engine's weights kept in host memory while it sleeps) or 2 (dropped)")
     if cfg.algorithm.no_think_rl:
         raise ConfigError("algorithm.no_think_rl=true is not supported (the original stopped at the first step "
                           "with it): remove the key or set it to false")

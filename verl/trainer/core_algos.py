@@ -20,10 +20,11 @@ Where we deviate from the papers or from common implementations, on purpose:
   unchanged in any realistic case, but one stale token can no longer produce inf / NaN gradients.
 - `policy_loss`'s "approx_kl" statistic is the k3 estimator of KL(pi_old || pi_theta):
   ratio - 1 - log(ratio), non-negative and unbiased on tokens sampled from pi_old.
-- Off-policy steps (the trainer's overlap_rollout: trajectories sampled by the weights before the
-  last update) weight each token's PPO term by min(pi_old / pi_rollout, cap), the truncated
-  importance weight of IMPALA's V-trace and of "truncated importance sampling" for RL with a
-  separate inference engine. pi_old is the actor before this update, pi_rollout the engine's
+- Trajectories that carry the engine's own log-probs (rollout.calculate_log_probs: the inference
+  engine's numerics differ from the trainer's, and off-policy trajectories come from older weights)
+  weight each token's PPO term by min(pi_old / pi_rollout, cap), the truncated importance weight
+  of IMPALA's V-trace and of "truncated importance sampling" for RL with a separate inference
+  engine. pi_old is the actor before this update, pi_rollout the engine's
   log-prob of the sampled token; the weights carry no gradient. The PPO ratio itself stays
   pi_theta / pi_old, so clipping keeps its usual meaning (the decoupled objective).
 - Masked means over an empty mask are 0, not NaN, and sequences without a model token are left out

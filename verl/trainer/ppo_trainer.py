@@ -6,13 +6,6 @@ log-probs, values → advantages (pure functions in core_algos) → critic and a
 weights pushed into the engines. Validation, metrics and checkpoints around it, and an optional
 wall-clock limit (`trainer.time_limit_minutes`) that makes the step running when it is spent the
 last one.
-
-With `trainer.overlap_rollout` the next step's rollout starts on the workers (in a thread beside
-their training) right after this step's batch is in, and the weight push waits for it: that batch
-comes from the weights before this step's update, one step off-policy, and the actor's loss weights
-it by truncated importance ratios (core_algos.truncated_importance_weights). A checkpoint does not
-hold it: a resumed run generates it again, with the restored weights; a rollback does the same. A
-run that ends on its time limit has generated one batch it does not train on.
 """
 from __future__ import annotations
 
@@ -53,15 +46,6 @@ class ToolFailures(RuntimeError):
     """Too many of a step's tool calls (searches) failed to train on the step."""
 
 
-@dataclass
-class Ahead:
-    """The next step's rollout, started during this one (trainer.overlap_rollout)."""
-    examples: list[Example]
-    sampler_state: dict          # the sampler before these examples were drawn (what a checkpoint keeps)
-    workers: list                # the workers generating it
-    batch: RolloutBatch | None = None  # once taken; None again after a rollback (then generated anew)
-
-
 class Timer:
     def __init__(self):
         self.seconds = {}
@@ -99,20 +83,17 @@ class PPOTrainer:
         self.old_from_update = (sizes is not None and actor.old_log_probs == "auto" and actor.ppo_epochs == 1
                                 and not cfg.algorithm.use_kl_in_reward)
         self.lr_scale = 1.0   # trainer.health.lr_factor per rollback
-        self.ahead: Ahead | None = None  # trainer.overlap_rollout: the next step's examples and rollout
 
     # -- the step ------------------------------------------------------------------------------
 
     def train_step(self, examples: list[Example]) -> dict:
         t = Timer()
         n = self.cfg.actor_rollout_ref.rollout.n_agent
-        generated_ahead = self.ahead is not None and self.ahead.batch is not None  # during the last step
         # trainer.critic_warmup: the critic learns alone until then (self.step counts finished steps)
         actor_learns = self.step + 1 >= self.cfg.trainer.critic_warmup
         with t("rollout"):
-            batch = self.ahead.batch if generated_ahead else self.rollout(
-                examples, n, greedy=False, logprobs=self.cfg.trainer.overlap_rollout, weights_follow=actor_learns)
-        self.ahead = self.start_ahead(n)
+            batch = self.rollout(examples, n, greedy=False,
+                                 logprobs=self.cfg.actor_rollout_ref.rollout.calculate_log_probs)
         batch, balance = self.balance(batch)
         with t("reward"):
             batch.rewards_B, metrics = self.score(batch)
@@ -140,13 +121,10 @@ class PPOTrainer:
             with t("update_actor"):
                 metrics |= _merge_worker_metrics(
                     self.on_parts(self.policy, batch, lambda w, part: w.update_actor.remote(part), "actor update"))
-        if self.ahead is not None:  # the engines keep the weights it was started with until it is done
-            with t("rollout_ahead_wait"):
-                self.ahead.batch = self.take_ahead(self.ahead)
         if actor_learns:
             with t("weight_sync"):
                 self.policy.get([w.sync_weights.remote() for w in self.policy.workers], "weight sync", self.step)
-        return (metrics | balance | self.throughput(batch, t.seconds, generated_ahead)
+        return (metrics | balance | self.throughput(batch, t.seconds)
                 | {f"timing_s/{k}": v for k, v in t.seconds.items()})
 
     def balance(self, batch: RolloutBatch) -> tuple[RolloutBatch, dict]:
@@ -165,11 +143,9 @@ class PPOTrainer:
 
     # -- phases --------------------------------------------------------------------------------
 
-    def rollout_calls(self, examples: list[Example], n: int, greedy: bool, step: int, logprobs: bool,
-                      weights_follow: bool = False) -> list:
+    def rollout_calls(self, examples: list[Example], n: int, greedy: bool, step: int, logprobs: bool) -> list:
         """(worker, arguments of its `generate`) for the rollout of `step` (1-based): the rows, n per
-        example, in equal contiguous parts. `weights_follow`: this step's update and weight push come
-        before the engines generate again."""
+        example, in equal contiguous parts."""
         rows = [e for e in examples for _ in range(n)]
         world = len(self.policy.workers)
         per = -(-len(rows) // world)
@@ -179,13 +155,11 @@ class PPOTrainer:
         # A rollback gives the steps after it fresh seeds.
         seed = (self.cfg.trainer.seed * 1_000_003 + step * 10_007 + self.health.rollbacks * 7_919) % 2**31
         return [(w, ([e.prompt_ids for e in rows[i * per:(i + 1) * per]], [e.index for e in rows[i * per:(i + 1) * per]],
-                     temperature, top_p, self.cfg.data.max_response_length, (seed + 100_003 * i) % 2**31, logprobs,
-                     weights_follow))
+                     temperature, top_p, self.cfg.data.max_response_length, (seed + 100_003 * i) % 2**31, logprobs))
                 for i, w in enumerate(self.policy.workers) if rows[i * per:(i + 1) * per]]
 
-    def rollout(self, examples: list[Example], n: int, greedy: bool, logprobs: bool = False,
-                weights_follow: bool = False) -> RolloutBatch:
-        calls = self.rollout_calls(examples, n, greedy, self.step + 1, logprobs, weights_follow)
+    def rollout(self, examples: list[Example], n: int, greedy: bool, logprobs: bool = False) -> RolloutBatch:
+        calls = self.rollout_calls(examples, n, greedy, self.step + 1, logprobs)
         parts = self.policy.get([w.generate.remote(*args) for w, args in calls], "rollout", self.step)
         return self.with_targets(RolloutBatch.concat(parts), examples, n)
 
@@ -199,21 +173,6 @@ class PPOTrainer:
         if any(prefixes):
             batch.info["response_text"] = [p + t for p, t in zip(prefixes, batch.info["response_text"])]
         return batch
-
-    def start_ahead(self, n: int) -> Ahead | None:
-        """trainer.overlap_rollout: draw the next step's examples and start their rollout on the
-        workers, with the weights the engines hold now (this step's update is not in them yet)."""
-        if not self.cfg.trainer.overlap_rollout or self.step + 1 >= self.total_steps:
-            return None
-        sampler_state = self.sampler.state()
-        examples = self.sampler.next_batch()
-        calls = self.rollout_calls(examples, n, greedy=False, step=self.step + 2, logprobs=True)
-        self.policy.get([w.generate_ahead.remote(*args) for w, args in calls], "rollout ahead", self.step)
-        return Ahead(examples, sampler_state, workers=[w for w, _ in calls])
-
-    def take_ahead(self, ahead: Ahead) -> RolloutBatch:
-        parts = self.policy.get([w.take_ahead.remote() for w in ahead.workers], "rollout ahead", self.step)
-        return self.with_targets(RolloutBatch.concat(parts), ahead.examples, self.cfg.actor_rollout_ref.rollout.n_agent)
 
     def score(self, batch: RolloutBatch) -> tuple[torch.Tensor, dict]:
         rewards, em, answered, by_source = [], [], [], defaultdict(list)
@@ -310,10 +269,10 @@ class PPOTrainer:
         parts = batch.split(len(group.workers))
         return group.get([call(w, part) for w, part in zip(group.workers, parts)], what, self.step)
 
-    def throughput(self, batch: RolloutBatch, seconds: dict, generated_ahead: bool = False) -> dict:
+    def throughput(self, batch: RolloutBatch, seconds: dict) -> dict:
         tokens = int(batch.attention_mask_BT.sum())
         generated = sum(s.model_tokens for s in batch.info["stats"])
-        out = {} if generated_ahead else {"throughput/generated_tokens_per_s": generated / max(seconds["rollout"], 1e-9)}
+        out = {"throughput/generated_tokens_per_s": generated / max(seconds["rollout"], 1e-9)}
         if "update_actor" not in seconds:  # a critic warm-up step
             return out
         out["throughput/train_tokens_per_s"] = tokens / max(seconds["update_actor"], 1e-9)
@@ -352,9 +311,7 @@ class PPOTrainer:
     def save(self):
         from verl.trainer.checkpoint import export_hf
         root = os.path.join(self.out_dir, "checkpoints")
-        # Examples drawn ahead (trainer.overlap_rollout) are not trained yet: a resumed run draws them again.
-        sampler = self.ahead.sampler_state if self.ahead is not None else self.sampler.state()
-        state = {"step": self.step, "sampler": sampler, "kl_coef": float(self.kl_ctrl.value),
+        state = {"step": self.step, "sampler": self.sampler.state(), "kl_coef": float(self.kl_ctrl.value),
                  "health": self.health.state(), "lr_scale": self.lr_scale}
         keep = self.cfg.trainer.keep_last_checkpoints
         if self.critic is not None:  # the critic first: the actor's `latest` marks a complete step
@@ -460,8 +417,6 @@ class PPOTrainer:
         if self.critic is not None:
             self.critic.get([w.load.remote(root, target) for w in self.critic.workers], "rollback", self.step)
         self.health.rolled_back(target)
-        if self.ahead is not None:  # sampled by the weights rolled away from: generate it again
-            self.ahead.batch = None
         self.lr_scale *= h.lr_factor
         for group in (self.policy, self.critic):
             if group is not None:
@@ -505,7 +460,7 @@ class PPOTrainer:
             self.health.saved(0, healthy=True)
         with tqdm(total=self.total_steps, initial=self.step, desc="training", unit="step") as bar:
             while self.step < self.total_steps:
-                examples = self.ahead.examples if self.ahead is not None else self.sampler.next_batch()
+                examples = self.sampler.next_batch()
                 with open(os.path.join(self.out_dir, "data_order.jsonl"), "a") as f:  # for audits of resume
                     f.write(json.dumps({"step": self.step + 1, "indices": [e.index for e in examples]}) + "\n")
                 profiled = self.step + 1 in run.profile_steps

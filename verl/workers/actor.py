@@ -160,7 +160,7 @@ class Actor(TrainedModel):
                     entropy_grad=cfg.entropy_coeff != 0)
             old_BR = logprobs_BR.detach() if micro.old_logprobs_BR is None else micro.old_logprobs_BR
             weights_BR, is_stats = None, {}
-            if micro.rollout_logprobs_BR is not None:  # sampled by older weights (trainer.overlap_rollout)
+            if micro.rollout_logprobs_BR is not None:  # rollout.calculate_log_probs: the engine's own
                 weights_BR, is_stats = truncated_importance_weights(old_BR, micro.rollout_logprobs_BR,
                                                                     micro.loss_mask_BR, cfg.rollout_is_cap)
             pg_loss, pg_stats = policy_loss(logprobs_BR, old_BR, micro.advantages_BR, mask_BR,

@@ -93,8 +93,8 @@ class CallLog(SeedLog):
     def wake(self):
         self.calls.append("wake")
 
-    def sleep(self, drop_weights=False):
-        self.calls.append("sleep, weights dropped" if drop_weights else "sleep")
+    def sleep(self):
+        self.calls.append("sleep")
 
     def load_weights(self, named_tensors):
         self.calls.append("load")
@@ -105,11 +105,10 @@ class CallLog(SeedLog):
         return self.engine.generate(prompts, sampling, stop)
 
 
-@pytest.mark.parametrize("sleep_after_sync", [False, True])
-def test_the_engine_stays_awake_from_the_weight_sync_into_the_rollout(tiny_model_dir, sleep_after_sync):
-    """rollout.sleep_after_sync: by default a weight sync leaves the engine awake for the rollout that
-    follows (one wake and one sleep a step fewer); true puts it to sleep in between. Either way the
-    rollout samples with the synced weights, and the engine sleeps while the actor trains."""
+def test_the_engine_stays_awake_from_the_weight_sync_into_the_rollout(tiny_model_dir):
+    """A weight sync leaves the engine awake for the rollout that follows (one wake and one sleep a
+    step fewer); the rollout samples with the synced weights, and the engine sleeps while the actor
+    trains."""
     from types import SimpleNamespace
 
     from transformers import AutoModelForCausalLM
@@ -120,33 +119,17 @@ def test_the_engine_stays_awake_from_the_weight_sync_into_the_rollout(tiny_model
     with torch.no_grad():
         for param in actor_model.parameters():  # the actor's update
             param.add_(0.01)
-    worker = rollout_worker(engine, asleep=True, sleep_after_sync=sleep_after_sync)  # asleep, as setup leaves it
+    worker = rollout_worker(engine, asleep=True)  # asleep, as setup leaves it
     worker.actor = SimpleNamespace(model=actor_model)
     prompts = [engine.tokenizer("capital of France?").input_ids] * 2
 
     worker.generate(prompts, [0, 0], 1.0, 1.0, 4, seed=1)
     worker.sync_weights()
     worker.generate(prompts, [0, 0], 1.0, 1.0, 4, seed=2)
-    between = ["sleep", "wake"] if sleep_after_sync else []
-    assert engine.calls == ["wake", "generate", "sleep", "wake", "load", *between, "generate", "sleep"]
+    assert engine.calls == ["wake", "generate", "sleep", "wake", "load", "generate", "sleep"]
     assert worker._asleep
     synced = dict(actor_model.named_parameters())
     assert all(torch.equal(p, synced[name]) for name, p in engine.engine.model.named_parameters())
-
-
-@pytest.mark.parametrize("sleep_level", [1, 2])
-def test_the_engine_drops_its_weights_in_sleep_only_where_new_ones_follow(tiny_model_dir, sleep_level):
-    """rollout.sleep_level=2: after a training rollout whose update pushes new weights the engine
-    sleeps without them (nothing copied out and back); after any other rollout (validation, the
-    critic's warm-up) it keeps them. Level 1 always keeps them."""
-    from verl.workers.rollout.engines import HFEngine
-    engine = CallLog(HFEngine(tiny_model_dir))
-    worker = rollout_worker(engine, asleep=True, sleep_level=sleep_level)
-    prompts = [engine.tokenizer("capital of France?").input_ids] * 2
-    worker.generate(prompts, [0, 0], 1.0, 1.0, 4, seed=1, weights_follow=True)
-    worker.generate(prompts, [0, 0], 0.0, 1.0, 4, seed=1)  # a validation
-    dropped = "sleep, weights dropped" if sleep_level == 2 else "sleep"
-    assert engine.calls == ["wake", "generate", dropped, "wake", "generate", "sleep"]
 
 
 class EngineOutOfMemory:
@@ -200,8 +183,7 @@ def test_a_failed_sleep_on_a_shared_gpu_says_why_and_what_to_do():
     assert shared_gpu_error(other) is other
 
 
-def test_cached_memory_is_given_back_after_an_update_unless_the_rollout_runs_beside_it():
+def test_cached_memory_is_given_back_after_an_update():
     from verl.single_controller.roles import release_cached_memory
     # On the CPU there is nothing cached; the metric is still reported (GPU figures: test_roles_gpu.py).
-    assert release_cached_memory(overlap_rollout=False) == {"memory/after_update_reserved_gib": 0.0}
-    assert release_cached_memory(overlap_rollout=True) == {}
+    assert release_cached_memory() == {"memory/after_update_reserved_gib": 0.0}

@@ -30,16 +30,6 @@ def test_profile_steps_count_from_one():
         config("[0]")
 
 
-def test_sleep_level_is_one_or_two():
-    def config(level):
-        base = ["data.train_files=t.parquet", "actor_rollout_ref.model.path=m",
-                f"actor_rollout_ref.rollout.sleep_level={level}"]
-        return load_config(OmegaConf.merge(OmegaConf.load(CONFIG), OmegaConf.from_dotlist(base)))
-    assert config(2).actor_rollout_ref.rollout.sleep_level == 2
-    with pytest.raises(ConfigError, match="actor_rollout_ref.rollout.sleep_level=0"):
-        config(0)
-
-
 def test_logit_bias_takes_token_ids_from_the_command_line():
     from hydra import compose, initialize_config_dir
     base = ["data.train_files=t.parquet", "actor_rollout_ref.model.path=m"]
@@ -114,18 +104,12 @@ def test_multi_turn_keys_select_the_tool_loop_and_refuse_what_it_does_not_read()
             check(on[1:])
 
 
-def test_overlapped_rollout_keys_are_checked_at_start_up():
-    from verl.single_controller.roles import PolicyWorker
-    from verl.trainer.config import derive_sizes
-    base = ["data.train_files=t.parquet", "actor_rollout_ref.model.path=m", "trainer.overlap_rollout=true"]
+def test_the_importance_weight_cap_is_checked_at_start_up():
+    base = ["data.train_files=t.parquet", "actor_rollout_ref.model.path=m",
+            "actor_rollout_ref.rollout.calculate_log_probs=true"]
     with pytest.raises(ConfigError, match="rollout_is_cap"):
         load_config(OmegaConf.merge(OmegaConf.load(CONFIG), OmegaConf.from_dotlist(
             base + ["actor_rollout_ref.actor.rollout_is_cap=0.5"])))
-    # several workers with in-process vLLM engines: refused before any process group or engine starts
-    cfg = load_config(OmegaConf.merge(OmegaConf.load(CONFIG), OmegaConf.from_dotlist(
-        base + ["trainer.n_gpus_per_node=2", "actor_rollout_ref.rollout.engine_core=in_process"])))
-    with pytest.raises(ValueError, match="engine_core=separate"):
-        PolicyWorker(0, cfg, derive_sizes(cfg), 1, "cpu").setup("127.0.0.1", 0)
 
 
 def test_batch_sizes_that_do_not_split_are_refused_at_start_up_naming_the_keys():

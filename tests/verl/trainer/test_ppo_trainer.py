@@ -88,29 +88,19 @@ class _Stop(Exception):
     pass
 
 
-@pytest.mark.parametrize("critic_warmup, step, follows", [(0, 0, True), (3, 1, False), (3, 2, True)])
-def test_a_training_rollout_says_whether_the_actors_new_weights_follow(critic_warmup, step, follows):
-    """rollout.sleep_level=2 drops the engines' weights after a rollout only where this step's update
-    pushes new ones: not during trainer.critic_warmup, when the actor does not learn."""
-    trainer = _trainer(trainer__critic_warmup=critic_warmup)
-    trainer.step, seen = step, {}
+@pytest.mark.parametrize("calculate", [False, True])
+def test_a_training_rollout_asks_for_the_engines_log_probs_only_with_calculate_log_probs(calculate):
+    """rollout.calculate_log_probs: the engine's log-probs come back with the batch, for the
+    actor's truncated importance weights; without it the agent loop is not asked for them."""
+    trainer = _trainer(actor_rollout_ref__rollout__calculate_log_probs=calculate)
+    seen = {}
 
-    def rollout(examples, n, greedy, logprobs=False, weights_follow=False):
-        seen.update(greedy=greedy, weights_follow=weights_follow)
+    def rollout(examples, n, greedy, logprobs=False):
+        seen.update(greedy=greedy, logprobs=logprobs)
         raise _Stop  # the rest of the step needs workers
 
     trainer.rollout = rollout
     with pytest.raises(_Stop):
         trainer.train_step([])
-    assert seen == {"greedy": False, "weights_follow": follows}
+    assert seen == {"greedy": False, "logprobs": calculate}
 
-
-def test_each_workers_rollout_call_carries_whether_weights_follow():
-    from types import SimpleNamespace
-    trainer = _trainer()
-    trainer.policy = SimpleNamespace(workers=["w0", "w1"])
-    examples = [Example([1, 2], "nq", "a", i) for i in range(2)]
-    for follows in (True, False):
-        calls = trainer.rollout_calls(examples, 2, greedy=False, step=1, logprobs=False, weights_follow=follows)
-        assert [w for w, _ in calls] == ["w0", "w1"] and all(args[-1] is follows for _, args in calls)
-    assert all(args[-1] is False for _, args in trainer.rollout_calls(examples, 1, True, 1, False))  # validation

@@ -208,26 +208,6 @@ def test_vllm_engine_core_in_a_child_process(tiny_model, vllm_engine, prompts):
     assert got["sampled"][0] == got["sampled"][1] != got["sampled"][2]
 
 
-def test_an_engine_that_slept_without_its_weights_generates_only_after_a_push(vllm_engine, prompts, tiny_model):
-    """sleep(drop_weights=True) (rollout.sleep_level=2) leaves garbage where the weights were: until
-    weights are pushed, generating raises instead of sampling from it. Sleep mode needs a GPU (there
-    test_engines_gpu.py runs the whole cycle); here the flag it sets stands in for the sleep."""
-    from safetensors.torch import load_file
-    before = [g.token_ids for g in vllm_engine.generate(prompts, GREEDY, stop=[])]
-    vllm_engine.weights_dropped = True
-    try:
-        with pytest.raises(RuntimeError, match="sleep_level=2"):
-            vllm_engine.generate(prompts, GREEDY, stop=[])
-        with pytest.raises(RuntimeError, match="sleep_level=2"):
-            vllm_engine.submit(0, prompts[0], GREEDY, [])
-        assert not vllm_engine.has_unfinished()
-        vllm_engine.load_weights(load_file(str(Path(tiny_model) / "model.safetensors")).items())
-        assert not vllm_engine.weights_dropped
-    finally:
-        vllm_engine.weights_dropped = False
-    assert [g.token_ids for g in vllm_engine.generate(prompts, GREEDY, stop=[])] == before
-
-
 def test_engine_core_is_spawned_unless_the_user_chose(monkeypatch, caplog):
     """A child engine core is spawned: PyTorch forbids CUDA in a child forked after it counted the
     GPUs, although vLLM then still sees CUDA uninitialised and would fork. A user's choice stays."""
@@ -387,7 +367,7 @@ def test_vllm_without_sleep_mode_never_calls_vllms_sleep(vllm_engine, prompts, m
 
 
 def test_logprobs_are_those_of_the_distribution_sampled_from(engine, tiny_model, prompts):
-    # The trainer's importance weights (trainer.overlap_rollout) compare these with the actor's
+    # The trainer's importance weights (rollout.calculate_log_probs) compare these with the actor's
     # log-softmax(logits / temperature) of the same tokens: a plain forward must give the same.
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()

@@ -52,7 +52,7 @@ class Trajectory(Protocol):
     response_ids: list[int]           # everything after the prompt, model and tool tokens alike
     loss_mask: list[int]              # 1 on the model's tokens, 0 on the tools' (never trained on)
     # Optional: the engine's log-prob of each response token as sampled, 0 on the tools' tokens,
-    # when the loop's sampling asked for them (SamplingConfig.logprobs; needed by trainer.overlap_rollout).
+    # when the loop's sampling asked for them (SamplingConfig.logprobs; rollout.calculate_log_probs).
     rollout_logprobs: list[float] | None
 
     def stats(self) -> TrajectoryStats: ...

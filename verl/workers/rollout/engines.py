@@ -282,7 +282,6 @@ class VLLMEngine:
 
         self.on_cpu = _on_cpu()
         self.sleep_mode = enable_sleep_mode
-        self.weights_dropped = False  # slept without its weights (sleep(drop_weights=True)); a push restores
         # Log-probs, where asked for, of the distribution actually sampled from (the trainer's
         # importance weights compare it with the actor's), not of the raw logits.
         kw.setdefault("logprobs_mode", "processed_logprobs")
@@ -319,7 +318,6 @@ class VLLMEngine:
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig, stop: list[str]) -> list[Generation]:
         from vllm.inputs import TokensPrompt
 
-        self._check_weights()
         seed = _request_seed(sampling, self.on_cpu)
         if seed is None:
             params = _vllm_sampling_params(sampling, stop, None)
@@ -341,7 +339,6 @@ class VLLMEngine:
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
-        self._check_weights()
         n = next(self._request_ids)
         # The caller's seed is this request's: give each request its own (the agent loop does, per
         # trajectory and turn), so that samples do not depend on how many requests came before.
@@ -377,15 +374,13 @@ class VLLMEngine:
 
     # -- colocated training: free memory while the actor trains, then take its new weights --
 
-    def sleep(self, drop_weights: bool = False) -> None:
-        """Free the KV cache and move weights off the GPU into host memory (vLLM's level 1), or, with
-        `drop_weights`, discard them (level 2: no copy out and back, no host memory) when new ones will
-        be pushed before the next generation; until then generating raises. Without sleep mode (on
-        CPU, or turned off because other processes share the GPU) nothing is called: vLLM's sleep
-        would free nothing and still fail when another process allocated on the GPU meanwhile."""
+    def sleep(self) -> None:
+        """Free the KV cache and move weights off the GPU into host memory (vLLM's level 1). Without
+        sleep mode (on CPU, or turned off because other processes share the GPU) nothing is called:
+        vLLM's sleep would free nothing and still fail when another process allocated on the GPU
+        meanwhile."""
         if self.sleep_mode:
-            self.llm.sleep(level=2 if drop_weights else 1)
-            self.weights_dropped = drop_weights
+            self.llm.sleep(level=1)
 
     def wake(self) -> None:
         if not self.sleep_mode:
@@ -452,12 +447,6 @@ class VLLMEngine:
             self.llm.collective_rpc("refresh_tied_output_layer")
         # Cached prefixes hold keys/values computed by the old weights.
         self.llm.reset_prefix_cache()
-        self.weights_dropped = False
-
-    def _check_weights(self) -> None:
-        if self.weights_dropped:
-            raise RuntimeError("the rollout engine slept without its weights (rollout.sleep_level=2) and none were "
-                               "pushed since: push the actor's weights (load_weights) before generating")
 
 
 class _StopOnStrings(StoppingCriteria):
@@ -526,7 +515,7 @@ class HFEngine:
     def reseed(self, seed: int) -> None:  # unseeded calls draw from torch's global stream
         torch.manual_seed(seed)
 
-    def sleep(self, drop_weights: bool = False) -> None:  # the HF engine keeps its weights; nothing to free
+    def sleep(self) -> None:  # the HF engine keeps its weights; nothing to free
         pass
 
     def wake(self) -> None:
