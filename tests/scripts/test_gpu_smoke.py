@@ -71,7 +71,9 @@ def test_a_part_past_its_time_fails_naming_its_last_log_line_and_leaves_nothing_
 def test_what_a_finished_command_left_running_is_ended_and_named(tmp_path, capsys):
     """A command that exits while a child it started runs on (an engine core or a Ray process its
     program failed to stop) would share the next part's GPU: the part ends it and says so."""
-    stray = smoke.Part("stray", 1, [smoke.sh("bash", "-c", f"sleep 120 & echo $! > {tmp_path}/stray.pid; echo done")])
+    # the command exits only once its child is `sleep` (before its exec the child is still a bash)
+    stray = smoke.Part("stray", 1, [smoke.sh("bash", "-c", f"sleep 120 & p=$!; until grep -qx sleep /proc/$p/comm; "
+                                                         f"do :; done; echo $p > {tmp_path}/stray.pid; echo done")])
     clean = smoke.Part("clean", 1, [smoke.sh("bash", "-c", "echo fine")])
     assert smoke.run_all([stray, clean], gpu_count=1, lanes=1, out=tmp_path, timeout=60) == [True, True]
     out = capsys.readouterr().out
