@@ -28,7 +28,7 @@ import string
 import unicodedata
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -283,6 +283,9 @@ class RewardResult:
     format_ok: bool
     answer: str | None         # the extracted answer, None when there is none
     retrieval_hit: bool        # some <information> block contains a gold answer
+    # Logged by the trainer by name, as means over the trajectories that report them (score_for:
+    # em_by_hops/<n> and searches_by_hops/<n> where the row's extra_info gives its hop count).
+    metrics: dict[str, float] = field(default_factory=dict)
 
 
 def retrieval_hit(response: str, golds: GroundTruth) -> bool:
@@ -372,12 +375,29 @@ REWARD_FNS: dict[str, RewardFn] = {
 _warned_sources: set[str] = set()
 
 
-def score_for(data_source: str, response: str, ground_truth: GroundTruth, **kwargs) -> RewardResult:
+def searches_made(response: str) -> int:
+    """The searches the environment answered: non-empty queries followed by their passages."""
+    return len(_ANSWERED_QUERY.findall(as_tags(response)))
+
+
+def score_for(data_source: str, response: str, ground_truth: GroundTruth, extra_info: Mapping | None = None,
+              **kwargs) -> RewardResult:
     """Score with the function registered for `data_source`; unknown sources fall back to EM.
 
     The fallback warns once per source, so a new data set trains without code changes but a
-    misspelt source name does not go unnoticed.
+    misspelt source name does not go unnoticed. Where the row's `extra_info` gives its hop count
+    (`hops`, as the bundled task does), the result's metrics say by hop count whether the answer was
+    right and how many searches it took: does a two-hop question get its second search?
     """
+    result = _score_by_source(data_source, response, ground_truth, **kwargs)
+    hops = (extra_info or {}).get("hops")
+    if hops is None:
+        return result
+    return replace(result, metrics={**result.metrics, f"em_by_hops/{int(hops)}": float(result.em),
+                                    f"searches_by_hops/{int(hops)}": float(searches_made(response))})
+
+
+def _score_by_source(data_source: str, response: str, ground_truth: GroundTruth, **kwargs) -> RewardResult:
     # verl's search-tool preprocessing names the sources searchR1_nq, searchR1_hotpotqa, …
     fn = REWARD_FNS.get(data_source) or REWARD_FNS.get(data_source.removeprefix("searchR1_"))
     if fn is None:

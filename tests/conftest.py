@@ -15,6 +15,10 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# A checkout tested without (re)installing it has not registered the search package's compatibility
+# table (the `verl.compat` entry point of pyproject.toml): the trainer then finds it through
+# VERL_COMPAT, as docs/DEVELOPMENT.md says; subprocesses inherit it.
+os.environ.setdefault("VERL_COMPAT", "search_r1.compat:ORIGINAL_SEARCH_R1")
 
 FACTS = [
     ("Paris", "Paris is the capital and largest city of France, on the river Seine."),

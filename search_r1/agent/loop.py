@@ -10,19 +10,23 @@ means with tags. The chat-template tool-calling protocol (`<tool_call>` JSON, to
 Where we differ from the original: observations are tokenized on their own and appended as ids
 (the model's text is never decoded and re-tokenized), over-long observations are cut without
 losing `</information>`, a trajectory that runs out of `max_response_length` is cut and marked
-`length` instead of silently wrapped, and a failed search becomes an observation saying so.
+`length` instead of silently wrapped, and a failed search becomes an observation saying so. An
+empty `<search></search>`, or a query that still holds `<search>`, is an invalid action answered
+with a correction, where the original sent it to the retriever as written: the search loop's option
+`search_malformed_queries=true` restores the original's behaviour.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
+from search_r1.retrieval.client import RetrieverConfig
 from verl.workers.rollout.agent_loop import AgentLoopSettings, PreflightError, TrajectoryStats
-from verl.workers.rollout.multi_turn import Finish, MultiTurnAgent, Schedule, TurnConfig
-from verl.workers.rollout.multi_turn import Trajectory as _Trajectory
+from verl.workers.rollout.multi_turn import Finish, MultiTurnAgent, Schedule, Trajectory, TurnConfig
 
 log = logging.getLogger(__name__)
 
@@ -46,9 +50,19 @@ class AgentConfig(TurnConfig):
     # prefix opens its first (e.g. "<think>": a small model trained without SFT otherwise writes plain
     # text after the passages, out of the format the reward pays). Part of the observation: not trained on.
     turn_prefix: str = ""
+    # The original searched an empty query or one that still holds <search> as written; here such a
+    # turn is an invalid action, answered with a correction, unless this is true.
+    search_malformed_queries: bool = False
 
 
-class Trajectory(_Trajectory):
+@dataclass
+class SearchRequest:
+    """What a `</search>` turn asks for: `query` None when the loop could not read one (answered by
+    a correction, without a search)."""
+    query: str | None
+
+
+class SearchTrajectory(Trajectory):
     """A trajectory of the tag protocol: its tool calls are searches."""
 
     @property
@@ -69,7 +83,9 @@ class Trajectory(_Trajectory):
             tool_failed=self.retrieval_failed, done_s=self.done_s,
             # retrieval_s: seconds this trajectory waited for passages (overlapped with others' turns)
             metrics={"turns": self.turns, "searches": self.searches, "valid_actions": self.valid_actions,
-                     "invalid_actions": self.invalid_actions, "retrieval_s": round(self.retrieval_s, 4)})
+                     "invalid_actions": self.invalid_actions, "retrieval_s": round(self.retrieval_s, 4),
+                     # neither searched nor answered: read by the trainer's health watch
+                     "no_action": float(self.searches == 0 and self.finish != Finish.ANSWER)})
 
 
 def response_budget(max_turns: int, max_tokens_per_turn: int, max_obs_length: int) -> int:
@@ -117,11 +133,11 @@ def format_passages(hits: list[dict]) -> str:
 
 
 class SearchAgent(MultiTurnAgent):
-    """Turns end on `</search>` (a request: the query; "" for one the loop cannot read, answered by
-    a correction without a search) or `</answer>` (done)."""
+    """Turns end on `</search>` (a SearchRequest: the query, or None for one the loop cannot read,
+    answered by a correction without a search) or `</answer>` (done)."""
 
     stop = STOP
-    trajectory_cls = Trajectory
+    trajectory_cls = SearchTrajectory
 
     def __init__(self, engine, searcher: Searcher, cfg: AgentConfig | None = None, on_event=None):
         super().__init__(engine, cfg or AgentConfig(), on_event)
@@ -132,7 +148,7 @@ class SearchAgent(MultiTurnAgent):
         self._close_ids = self._encode("</information>\n\n")
         self._turn_prefix_ids = self._encode(self.cfg.turn_prefix) if self.cfg.turn_prefix else []
 
-    def parse_turn(self, t, gen, context, last_turn) -> str | None:
+    def parse_turn(self, t, gen, context, last_turn) -> SearchRequest | None:
         if gen.stop_reason == "</answer>":
             t.valid_actions += 1
             t.finish = Finish.ANSWER
@@ -140,30 +156,31 @@ class SearchAgent(MultiTurnAgent):
             # Decoding only parses; the ids stay as generated.
             text = self.engine.tokenizer.decode(context + gen.token_ids, skip_special_tokens=True)
             found = SEARCH_RE.findall(text)
-            query = found[-1].strip()[:self.cfg.max_query_chars] if found else ""
+            query = found[-1].strip()[:self.cfg.max_query_chars] if found else None
+            malformed = query is None or not query or "<search>" in query
             if last_turn:
                 t.finish = Finish.MAX_TURNS
-            elif not query or "<search>" in query:
+            elif malformed and not (self.cfg.search_malformed_queries and query is not None):
                 t.invalid_actions += 1
-                return ""  # the correction goes in as an observation
+                return SearchRequest(None)  # the correction goes in as an observation
             else:
                 t.valid_actions += 1
                 t.tool_calls += 1
-                return query
+                return SearchRequest(query)
         elif gen.finish_reason == "length":
             t.finish = Finish.LENGTH
         else:
             t.finish = Finish.EOS
         return None
 
-    def run_tools(self, ts, queries):
+    def run_tools(self, ts, requests):
         """One batched request for the turn's readable queries; a failed search gives None hits."""
-        asking = [i for i, q in enumerate(queries) if q]
-        results: list[list[dict] | None] = [None] * len(queries)
+        asking = [i for i, r in enumerate(requests) if r.query is not None]
+        results: list[list[dict] | None] = [None] * len(requests)
         if not asking:
             return results
         try:
-            hits = self.searcher.search([queries[i] for i in asking], self.cfg.topk)
+            hits = self.searcher.search([requests[i].query for i in asking], self.cfg.topk)
         except Exception as e:  # retries are the client's job; here the search is over
             log.warning("retrieval failed for %d queries: %s", len(asking), e)
             hits = [None] * len(asking)
@@ -172,18 +189,18 @@ class SearchAgent(MultiTurnAgent):
             ts[i].tool_failed |= h is None
         return results
 
-    async def arun_tool(self, t, query):
-        if not query:
+    async def arun_tool(self, t, request):
+        if request.query is None:
             return None
         try:
-            return (await self.searcher.asearch([query], self.cfg.topk))[0]
+            return (await self.searcher.asearch([request.query], self.cfg.topk))[0]
         except Exception as e:
             log.warning("retrieval failed: %s", e)
             t.tool_failed = True
             return None
 
-    def observation_ids(self, t, query, hits) -> list[int]:
-        ids = self._encode(INVALID_ACTION) if query == "" else self.passage_ids(hits)
+    def observation_ids(self, t, request, hits) -> list[int]:
+        ids = self._encode(INVALID_ACTION) if request.query is None else self.passage_ids(hits)
         return ids + self._turn_prefix_ids
 
     def passage_ids(self, hits: list[dict] | None) -> list[int]:
@@ -195,46 +212,73 @@ class SearchAgent(MultiTurnAgent):
         return self._open_ids + body[:max(0, room)] + self._close_ids  # the closing tag survives
 
 
+@dataclass
+class SearchLoopOptions:
+    """The search agent's options in a training run (actor_rollout_ref.rollout.agent_kwargs; the
+    original Search-R1's `max_turns` and `retriever.*` are read into them, search_r1.compat)."""
+    max_turns: int = 1                # searches allowed per trajectory (then one more turn to answer)
+    # the retrieval server: url, topk, api_key (null: SEARCH_R1_API_KEY if set), timeout_s,
+    # connect_timeout_s, retries, …
+    retriever: RetrieverConfig = field(default_factory=RetrieverConfig)
+    turn_prefix: str = ""             # text written after each observation, opening the model's next turn
+    search_malformed_queries: bool = False  # true: search an empty query or one holding <search> (the original)
+
+
+# A prompt that teaches the tool-calling protocol (verl's preprocessed search rows) mentions this and
+# never the tags: the tag agent would wait for a <search> its model was never asked to write.
+_TOOL_PROTOCOL_MARK = "<tool_call>"
+
+
 class SearchAgentLoop:
     """The search agent as a trainer agent loop
-    (`actor_rollout_ref.rollout.agent_loop=search_r1.agent.loop:SearchAgentLoop`).
+    (`actor_rollout_ref.rollout.agent_loop=search_r1.agent.loop:SearchAgentLoop`), with the options
+    of `SearchLoopOptions` (`settings.options`)."""
 
-    Its options (`settings.options`): `max_turns` (searches allowed), `retriever` (the fields of
-    `RetrieverConfig`: url, topk, api_key, timeout_s, connect_timeout_s, retries) and `turn_prefix`
-    (AgentConfig). The trainer fills the first two from the original's top-level keys `max_turns` and
-    `retriever.*`; `turn_prefix` comes from `actor_rollout_ref.rollout.agent_kwargs`."""
+    Options = SearchLoopOptions
 
     def __init__(self, engine, settings: AgentLoopSettings):
-        max_turns, retriever = self._options(settings)
-        cfg = AgentConfig(max_turns=max_turns, max_response_tokens=self.max_response_tokens(settings),
-                          max_obs_length=settings.max_obs_length, topk=retriever.topk,
+        options = self._options(settings)
+        cfg = AgentConfig(max_turns=options.max_turns, max_response_tokens=self.max_response_tokens(settings),
+                          max_obs_length=settings.max_obs_length, topk=options.retriever.topk,
                           schedule=Schedule(settings.schedule), admit_every_steps=settings.admit_every_steps,
-                          turn_prefix=str(settings.options.get("turn_prefix") or ""))
-        self.agent = SearchAgent(engine, HTTPSearcher(retriever), cfg)
+                          turn_prefix=options.turn_prefix,
+                          search_malformed_queries=options.search_malformed_queries)
+        self.agent = SearchAgent(engine, HTTPSearcher(options.retriever), cfg)
         self.max_tokens_per_turn = settings.max_tokens_per_turn
 
     @staticmethod
-    def _options(settings: AgentLoopSettings):
-        from search_r1.retrieval.client import RetrieverConfig
-        options = dict(settings.options)
-        unknown = sorted(set(options) - {"max_turns", "retriever", "turn_prefix"})
-        if unknown:
-            raise ValueError(f"the search agent has no option {unknown} (actor_rollout_ref.rollout.agent_kwargs): "
-                             "it takes max_turns, retriever and turn_prefix")
-        # max_failure_rate is the trainer's (it masks and counts failed trajectories), not the client's
-        retriever = {k: v for k, v in (options.get("retriever") or {}).items() if k != "max_failure_rate"}
-        try:
-            return int(options.get("max_turns", 1)), RetrieverConfig(**retriever)
-        except TypeError as e:
-            raise ValueError(f"the search agent's retriever options: {e}") from None
+    def _options(settings: AgentLoopSettings) -> SearchLoopOptions:
+        options = settings.options
+        if not isinstance(options, SearchLoopOptions):
+            raise TypeError(f"the search agent's settings.options is a {type(options).__name__}, not "
+                            "SearchLoopOptions: build them with verl.workers.rollout.agent_loop.build_options")
+        if options.retriever.api_key is None and os.environ.get("SEARCH_R1_API_KEY"):
+            options = replace(options, retriever=replace(options.retriever,
+                                                         api_key=os.environ["SEARCH_R1_API_KEY"]))
+        return options
 
     @classmethod
     def max_response_tokens(cls, settings: AgentLoopSettings) -> int:
-        return response_budget(cls._options(settings)[0], settings.max_tokens_per_turn, settings.max_obs_length)
+        return response_budget(cls._options(settings).max_turns, settings.max_tokens_per_turn,
+                               settings.max_obs_length)
 
     @classmethod
     def preflight(cls, settings: AgentLoopSettings) -> None:
-        check_retriever(cls._options(settings)[1])
+        check_retriever(cls._options(settings).retriever)
+
+    @classmethod
+    def check_prompts(cls, settings: AgentLoopSettings, prompts: list[str]) -> None:
+        """Refuse prompts that teach the tool-calling protocol: trained with the tags, such a model
+        never searches, and nothing would say so."""
+        teaching_tools = [p for p in prompts if _TOOL_PROTOCOL_MARK in p and "<search>" not in p]
+        if teaching_tools:
+            raise ValueError(
+                f"{len(teaching_tools)} of the first {len(prompts)} training prompts teach the tool-calling "
+                f"protocol ({_TOOL_PROTOCOL_MARK} …, e.g. verl's preprocessed search rows), but the agent loop is "
+                "the tag protocol's search_r1.agent.loop:SearchAgentLoop, which only reads <search>…</search>: "
+                "set actor_rollout_ref.rollout.multi_turn.enable=true with actor_rollout_ref.rollout.multi_turn."
+                "tool_config_path=configs/tools/search.yaml, or train on data made for the tags "
+                "(scripts/data_process)")
 
     def run(self, prompts, sampling):
         sampling = replace(sampling, max_tokens=min(sampling.max_tokens, self.max_tokens_per_turn))

@@ -17,7 +17,7 @@ per call; benchmarks/RESULTS.md, "Search tool calls").
 Where we differ from verl's tool: the model reads the passages as the original Search-R1 formats
 them (`Doc 1(Title: …) text`), not a JSON string with escaped newlines; with several queries each
 block is headed by its query. A search that fails is an error message to the model and counts as a
-failed tool call (`tool_failed`), which the trainer checks against `retriever.max_failure_rate`.
+failed tool call (`tool_failed`), which the trainer checks against `actor_rollout_ref.rollout.max_tool_failure_rate`.
 """
 from __future__ import annotations
 

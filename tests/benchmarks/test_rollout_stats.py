@@ -8,7 +8,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from rollout_stats import TimedSearcher, core_timeline_stats, median_run, turns_of  # noqa: E402
 
-from search_r1.agent.loop import Trajectory  # noqa: E402
+from search_r1.agent.loop import SearchTrajectory as Trajectory  # noqa: E402
 
 
 def test_turns_of_splits_at_each_model_token_after_an_observation():

@@ -15,7 +15,7 @@ import torch
 from verl.batch import RolloutBatch, pack_trajectories
 from verl.trainer.config import Sizes, TrainerConfig, agent_loop_spec
 from verl.utils.profiling import phase
-from verl.workers.rollout.agent_loop import AgentLoopSettings
+from verl.workers.rollout.agent_loop import AgentLoopSettings, build_options, load_agent_loop
 
 log = logging.getLogger(__name__)
 
@@ -131,20 +131,16 @@ def shared_gpu_error(error: Exception) -> Exception:
 
 
 def agent_loop_settings(cfg: TrainerConfig, device: str) -> AgentLoopSettings:
-    """The agent loop's settings, for the workers and the driver's preflight. Its options are the
-    original trainer's top-level keys `max_turns` and `retriever.*` (the search agent's) or, with
-    rollout.multi_turn.enable, the multi_turn keys (the tool-calling loop's), with
-    rollout.agent_kwargs over them."""
+    """The agent loop's settings, for the workers and the driver's preflight. Its options are checked
+    against the options dataclass of its class: with rollout.multi_turn.enable, verl's multi_turn
+    keys (the tool-calling loop's); in any case rollout.agent_kwargs, over them."""
     rollout = cfg.actor_rollout_ref.rollout
-    if rollout.multi_turn.enable:  # the tool-calling loop: its tools' settings are in the tool YAML
-        mt = rollout.multi_turn
-        options = {"max_turns": cfg.max_turns, "tool_config_path": mt.tool_config_path,
-                   "max_assistant_turns": mt.max_assistant_turns, "format": mt.format}
-    else:
-        options = {"max_turns": cfg.max_turns, "retriever": dataclasses.asdict(cfg.retriever)}
+    given = dataclasses.asdict(rollout.multi_turn) if rollout.multi_turn.enable else {}
+    options = build_options(load_agent_loop(agent_loop_spec(cfg)), given | dict(rollout.agent_kwargs or {}),
+                            "actor_rollout_ref.rollout.agent_kwargs")
     return AgentLoopSettings(max_tokens_per_turn=cfg.data.max_response_length, max_obs_length=cfg.data.max_obs_length,
                              schedule=agent_schedule(rollout, device), admit_every_steps=rollout.admit_every_steps,
-                             options=options | dict(rollout.agent_kwargs or {}))
+                             options=options)
 
 
 def rollout_logprobs_BR(trajectories, width: int, loop_cls) -> torch.Tensor:

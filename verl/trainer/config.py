@@ -13,13 +13,16 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
+import logging
 import sys
 import textwrap
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from omegaconf import MISSING, OmegaConf
+
+
+log = logging.getLogger(__name__)
 
 
 class ConfigError(ValueError):
@@ -193,8 +196,8 @@ class MultiTurnConfig:
                               "<tool_call> JSON, answers as tool messages; the agent loop is " + TOOL_LOOP)
     tool_config_path: str | None = key(None, "the tools as verl's YAML: tools: [{class_name, config, tool_schema}] "
                                              "(search: configs/tools/search.yaml)")
-    max_assistant_turns: int | None = key(None, "model messages per trajectory, so one fewer tool round; null: "
-                                                "max_turns + 1")
+    max_assistant_turns: int | None = key(None, "model messages per trajectory, so one fewer tool round; null: 2 "
+                                                "(one tool round, then the answer)")
     format: str = key("hermes", "how calls are written: hermes (<tool_call> JSON, as Qwen2.5 writes it) is the only "
                                 "one")
 
@@ -227,15 +230,16 @@ class RolloutConfig:
     log_prob_max_token_len_per_gpu: int | None = key(None, _TOKEN_BUDGET_HELP.format(
         what="forward of the old log-probs", switch="log_prob_use_dynamic_bsz"))
     max_model_len: int | None = key(None, "tokens one sequence may hold in the engine; null: max_prompt_length + "
-                                          "the longest response the agent loop allows (search agent: (max_turns "
-                                          "+ 1) × max_response_length + max_turns × max_obs_length)")
-    agent_loop: str | None = key(None, "the agent loop as module:Class (search: "
-                                       "search_r1.agent.loop:SearchAgentLoop); null: single-turn generation")
+                                          "the longest response the agent loop allows (its max_response_tokens)")
+    agent_loop: str | None = key(None, "the agent loop as module:Class; null: single-turn generation (keys of "
+                                       "another trainer may name one: docs/TRAINING.md, compatibility tables)")
     multi_turn: MultiTurnConfig = key_factory(MultiTurnConfig, "verl's multi-turn tool calling (the agent loop "
                                                                "it selects reads these keys)")
-    agent_kwargs: dict[str, Any] | None = key(None, "the agent loop's own options, read by the loop alone; they "
-                                                    "start from the top-level max_turns and retriever.* keys (the "
-                                                    "search agent's options), which these override")
+    agent_kwargs: dict[str, Any] | None = key(None, "the agent loop's own options, {key: value}: checked at "
+                                                    "start-up against the options dataclass its class declares "
+                                                    "(Options); an unknown key or a wrong type stops the run")
+    max_tool_failure_rate: float = key(0.5, "share of a step's tool-calling trajectories whose tool call may fail "
+                                            "(those are masked out of the loss), in [0, 1]; above it the run stops")
     schedule: str = key("auto", "how the agent loop drives the engine: sync | async | continuous (vLLM only) | "
                                 "auto: continuous with vLLM on a GPU, else sync (benchmarks/RESULTS.md)")
     request_seeds: bool = key(True, "each rollout request samples from a seed of its own (from the step's, the "
@@ -373,30 +377,6 @@ class RewardModelConfig:
 
 
 @dataclass
-class RetrieverConfig:
-    url: str = key("http://127.0.0.1:8000/retrieve", "the retrieval server's /retrieve endpoint")
-    topk: int = key(3, "passages per search")
-    api_key: str | None = key(None, "the server's --api-key; null: SEARCH_R1_API_KEY if set")
-    timeout_s: float = key(30.0, "seconds one search request may take")
-    connect_timeout_s: float = key(5.0, "seconds to connect; also the health probe after a timed-out request")
-    retries: int = key(5, "attempts after the first, with backoff")
-    # Trajectories whose search failed are masked out of the loss; when more than this share of
-    # the step's searching trajectories failed, the run stops (nothing is trained or saved).
-    max_failure_rate: float = key(0.5, "share of a step's searching trajectories whose search may fail (those are "
-                                       "masked out of the loss), in [0, 1]; above it the run stops")
-
-
-@dataclass
-class RerankerConfig:
-    """The original trainer called a separate re-ranking service; here the retrieval server re-ranks
-    (`search-r1 serve --reranker_model …`), so only do_rerank=false is accepted."""
-    do_rerank: bool = key(False, "only false is accepted: the retrieval server re-ranks here")
-    url: str | None = key(None, "the original's re-ranking service: accepted and unused")
-    topk: int = key(3, "the original's passages kept after re-ranking: accepted and unused (retriever.topk "
-                       "sets passages per search)")
-
-
-@dataclass
 class HealthConfig:
     """Signs that a run is collapsing, watched every step, and what to do when one shows. A loss or
     gradient norm that is not finite always counts; the others are watched when their key is set."""
@@ -410,7 +390,8 @@ class HealthConfig:
                                      "null: not watched")
     val_drop: float | None = key(0.2, "sign: validation reward/em below its best so far by more than this; null: "
                                       "not watched")
-    no_action_rise: float | None = key(0.5, "sign: the share of trajectories that neither searched nor answered "
+    no_action_rise: float | None = key(0.5, "sign: the share of trajectories that took no action (agent/no_action, "
+                                            "as the agent loop counts it: e.g. neither called a tool nor answered) "
                                             "above its lowest over the previous `window` steps by more than "
                                             "this; null: not watched")
     window: int = key(10, "steps of history the entropy and no-action signs compare with (the entropy sign "
@@ -477,26 +458,33 @@ class TrainerConfig:
     algorithm: AlgorithmConfig = key_factory(AlgorithmConfig, "advantage estimator and the KL in the reward")
     reward: RewardConfig = key_factory(RewardConfig, "the outcome reward of a trajectory")
     reward_model: RewardModelConfig = key_factory(RewardModelConfig, "the original's reward keys: read into reward.*")
-    max_turns: int = key(1, "agent loop: searches allowed per trajectory (then one more turn to answer); read by "
-                            "multi-turn agent loops only")
-    retriever: RetrieverConfig = key_factory(RetrieverConfig, "the retrieval server the search agent calls")
-    reranker: RerankerConfig = key_factory(RerankerConfig, "the original's re-ranking service: the retrieval server "
-                                           "re-ranks here (search-r1 serve --reranker_model)")
     trainer: RunConfig = key_factory(RunConfig, "run length, workers, logging and checkpoints")
 
 
 def load_config(raw) -> TrainerConfig:
-    """Check a Hydra/OmegaConf config against the schema and return typed objects."""
+    """Check a Hydra/OmegaConf config against the schema and return typed objects. Keys of other
+    trainers are read into the schema first, through the compatibility tables (verl.trainer.compat)."""
+    from verl.trainer.compat import ENV_VAR, CompatError, apply_tables, compat_tables
+
+    config = OmegaConf.to_container(OmegaConf.create(raw), resolve=False)   # a copy: the tables change it
     try:
-        merged = OmegaConf.merge(OmegaConf.structured(TrainerConfig), raw)
+        schema = OmegaConf.to_container(OmegaConf.structured(TrainerConfig), resolve=False)
+        notes = apply_tables(config, compat_tables(), schema)
+    except CompatError as e:
+        raise ConfigError(str(e)) from None
+    for note in notes:
+        log.info("%s", note)
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(TrainerConfig), OmegaConf.create(config))
         cfg = OmegaConf.to_object(merged)
     except Exception as e:  # OmegaConf names the key and the expected type
-        raise ConfigError(f"invalid trainer config: {e}") from None
+        hint = (" A key of another trainer's command line is read through its compatibility table: install the "
+                f"package that provides it (pip install -e .) or name the table in {ENV_VAR}"
+                if "not in" in str(e) else "")
+        raise ConfigError(f"invalid trainer config: {e}.{hint}") from None
     cfg.trainer.profile_steps = cfg.trainer.profile_steps or []   # verl's default is null
     _check_ranges(cfg)
     _check_original_keys(cfg)
-    if cfg.retriever.api_key is None:
-        cfg.retriever.api_key = os.environ.get("SEARCH_R1_API_KEY") or None
     if cfg.algorithm.use_kl_in_reward is None:
         cfg.algorithm.use_kl_in_reward = not cfg.actor_rollout_ref.actor.use_kl_loss
     return cfg
@@ -520,15 +508,13 @@ def _check_original_keys(cfg: TrainerConfig) -> None:
     if cfg.algorithm.no_think_rl:
         raise ConfigError("algorithm.no_think_rl=true is not supported (the original stopped at the first step "
                           "with it): remove the key or set it to false")
-    if cfg.reranker.do_rerank:
-        raise ConfigError("reranker.do_rerank=true: re-ranking runs inside the retrieval server here; start it "
-                          "with `search-r1 serve --reranker_model MODEL --topk_retrieval N` and drop reranker.*")
     if cfg.trainer.default_hdfs_dir:
         raise ConfigError(f"trainer.default_hdfs_dir={cfg.trainer.default_hdfs_dir!r}: checkpoints are written to "
                           "trainer.default_local_dir only; copy them from there (or set the key to null)")
-    if not 0.0 <= cfg.retriever.max_failure_rate <= 1.0:
-        raise ConfigError(f"retriever.max_failure_rate={cfg.retriever.max_failure_rate}: give the share of "
-                          "searching trajectories whose search may fail before the run stops, in [0, 1]")
+    rate = cfg.actor_rollout_ref.rollout.max_tool_failure_rate
+    if not 0.0 <= rate <= 1.0:
+        raise ConfigError(f"actor_rollout_ref.rollout.max_tool_failure_rate={rate}: give the share of tool-calling "
+                          "trajectories whose tool call may fail before the run stops, in [0, 1]")
     _read_original_reward_keys(cfg)
     if cfg.trainer.critic_warmup < 0:
         raise ConfigError(f"trainer.critic_warmup={cfg.trainer.critic_warmup}: give the step from which the actor "
@@ -569,9 +555,8 @@ def agent_loop_spec(cfg: TrainerConfig) -> str | None:
 
 
 def check_agent_keys(cfg: TrainerConfig, overridden: set[str]) -> None:
-    """Retriever and turn settings are read by a multi-turn agent loop only; given without one, the
-    run would train single-turn generation and ignore them. The tool-calling loop reads its tools'
-    settings from the tool YAML, so the search agent's retriever keys are refused with it."""
+    """verl's multi_turn keys: enable selects the tool-calling loop, which needs its tool config;
+    its other keys without enable would be ignored."""
     rollout = cfg.actor_rollout_ref.rollout
     multi_turn = rollout.multi_turn
     if multi_turn.enable:
@@ -582,22 +567,11 @@ def check_agent_keys(cfg: TrainerConfig, overridden: set[str]) -> None:
         if not multi_turn.tool_config_path:
             raise ConfigError("actor_rollout_ref.rollout.multi_turn.enable=true needs "
                               "actor_rollout_ref.rollout.multi_turn.tool_config_path (e.g. configs/tools/search.yaml)")
-        given = sorted(k for k in overridden if k.startswith("retriever.") and k != "retriever.max_failure_rate")
-        if given:
-            raise ConfigError(f"{', '.join(given)} set with actor_rollout_ref.rollout.multi_turn.enable=true: the tool "
-                              "protocol's search tool reads its settings from the tool YAML (config: "
-                              "retrieval_service_url, topk, timeout); set them there")
         return
     if multi_turn.tool_config_path or multi_turn.max_assistant_turns is not None:
         raise ConfigError("actor_rollout_ref.rollout.multi_turn.tool_config_path/max_assistant_turns set but "
                           "actor_rollout_ref.rollout.multi_turn.enable=false: add "
                           "actor_rollout_ref.rollout.multi_turn.enable=true to call the tools")
-    if cfg.actor_rollout_ref.rollout.agent_loop is None:
-        given = sorted(k for k in overridden if k == "max_turns" or k.startswith("retriever."))
-        if given:
-            raise ConfigError(f"{', '.join(given)} set but actor_rollout_ref.rollout.agent_loop is null (single-turn "
-                              "generation, no search): add actor_rollout_ref.rollout.agent_loop="
-                              "search_r1.agent.loop:SearchAgentLoop")
 
 
 def _check_ranges(cfg: TrainerConfig) -> None:

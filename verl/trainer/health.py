@@ -15,8 +15,9 @@ from dataclasses import dataclass, field
 
 from verl.trainer.config import HealthConfig
 
-# The share of trajectories that neither searched nor answered, written by the trainer's scoring.
-NO_ACTION = "health/no_action_share"
+# The share of trajectories that took no action: the mean of the agent loop's own per-trajectory
+# metric `no_action` (e.g. neither called a tool nor answered), logged as agent/<name> by the trainer.
+NO_ACTION = "agent/no_action"
 
 
 class Unhealthy(RuntimeError):
@@ -68,7 +69,7 @@ class HealthWatch:
         if c.no_action_rise is not None and share is not None and self.no_action:   # one step is a baseline
             low = min(self.no_action)
             if share > low + c.no_action_rise:
-                signs.append(f"{share:.0%} of the trajectories neither searched nor answered, up from {low:.0%} "
+                signs.append(f"{share:.0%} of the trajectories took no action ({NO_ACTION}), up from {low:.0%} "
                              f"within the previous {len(self.no_action)} steps (trainer.health.no_action_rise)")
         if signs:   # the history holds healthy steps only: a collapse never becomes the norm
             return signs

@@ -48,8 +48,10 @@ def run(raw: DictConfig) -> None:
     sizes = derive_sizes(cfg)
     run_cfg = cfg.trainer
     device = run_cfg.device if run_cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    # The agent loop's tools (the retriever) answer before any worker is started for them.
-    load_agent_loop(agent_loop_spec(cfg)).preflight(agent_loop_settings(cfg, device))
+    # The agent loop's options are checked against its Options dataclass (ConfigError naming the key),
+    # and its tools (the retriever) answer, before any worker is started for them.
+    agent_cls, agent_settings = load_agent_loop(agent_loop_spec(cfg)), agent_loop_settings(cfg, device)
+    agent_cls.preflight(agent_settings)
     AdvEstimator(cfg.algorithm.adv_estimator)  # fails early on an unknown estimator
 
     tokenizer = AutoTokenizer.from_pretrained(cfg.actor_rollout_ref.model.path)
@@ -62,6 +64,7 @@ def run(raw: DictConfig) -> None:
                           data.train_data_num, chat)
     val = (load_examples(data.val_files, tokenizer, data.max_prompt_length, data.apply_chat_template,
                          data.val_data_num, chat) if data.val_files else None)
+    check_prompts(agent_cls, agent_settings, train, tokenizer)
     sampler = PromptSampler(train, data.train_batch_size, data.shuffle_train_dataloader, data.seed)
     total_steps = run_cfg.total_training_steps or sampler.steps_per_epoch * run_cfg.total_epochs
     log.info("%d training prompts, %d steps of %d prompts × %d samples on %d %s workers",
@@ -104,6 +107,20 @@ def plan_memory(policy, critic) -> None:
         log.info("memory plan: %s", note)
 
 
+def check_prompts(agent_cls, settings, examples, tokenizer, first: int = 8) -> None:
+    """The agent loop's look at the first training prompts, where it has one (`check_prompts`): e.g.
+    that they teach the protocol it reads. A refusal stops the run at start-up."""
+    check = getattr(agent_cls, "check_prompts", None)
+    if check is None:
+        return
+    from verl.trainer.config import ConfigError
+    texts = tokenizer.batch_decode([e.prompt_ids for e in examples[:first]])
+    try:
+        check(settings, texts)
+    except ValueError as e:
+        raise ConfigError(f"data.train_files: {e}") from None
+
+
 def tool_chat_format(cfg, tokenizer):
     """With the tool protocol, prompts are rendered with the tools of the tool YAML; else None."""
     multi_turn = cfg.actor_rollout_ref.rollout.multi_turn
@@ -140,19 +157,24 @@ def _overridden_keys() -> set[str]:
 
 def accept_plus_on_existing_keys(argv: list[str]) -> list[str]:
     """The original scripts add keys with `+trainer.val_before_train=true`; Hydra refuses `+` for a key
-    the config already has. Such an override means "set it", so it is passed on as `++` (add or set)."""
-    known = OmegaConf.to_container(OmegaConf.load(os.path.join(CONFIG_DIR, "ppo_trainer.yaml")))
+    the config already has. Such an override means "set it", so it is passed on as `++` (add or set).
+    A key of a compatibility table (verl.trainer.compat: e.g. the original's `max_turns`), which the
+    config does not hold, is passed on as `++` too, for the table to read it into the schema."""
+    from verl.trainer.compat import compat_tables, hydra_overrides
+    known = _dotted_keys(OmegaConf.to_container(OmegaConf.load(os.path.join(CONFIG_DIR, "ppo_trainer.yaml"))))
+    argv = ["+" + arg if arg.startswith("+") and not arg.startswith("++") and "=" in arg
+            and arg[1:].split("=", 1)[0] in known else arg for arg in argv]
+    return hydra_overrides(argv, known, compat_tables())
 
-    def exists(dotted: str) -> bool:
-        node = known
-        for part in dotted.split("."):
-            if not isinstance(node, dict) or part not in node:
-                return False
-            node = node[part]
-        return True
 
-    return ["+" + arg if arg.startswith("+") and not arg.startswith("++") and "=" in arg
-            and exists(arg[1:].split("=", 1)[0]) else arg for arg in argv]
+def _dotted_keys(node: dict, prefix: str = "") -> set[str]:
+    """Every key of a nested dict, sections included, as dotted names."""
+    out = set()
+    for k, v in node.items():
+        out.add(prefix + k)
+        if isinstance(v, dict):
+            out |= _dotted_keys(v, f"{prefix}{k}.")
+    return out
 
 
 @hydra.main(config_path=CONFIG_DIR, config_name="ppo_trainer", version_base=None)

@@ -10,6 +10,7 @@ last one.
 from __future__ import annotations
 
 import importlib
+import inspect
 import json
 import logging
 import os
@@ -24,7 +25,7 @@ import torch
 from verl.batch import RolloutBatch, balanced_order
 from verl.trainer import core_algos
 from verl.trainer.config import Sizes, TrainerConfig
-from verl.trainer.health import NO_ACTION, HealthWatch, Unhealthy, non_finite_metrics
+from verl.trainer.health import HealthWatch, Unhealthy, non_finite_metrics
 from verl.utils.dataset import Example, PromptSampler
 
 log = logging.getLogger(__name__)
@@ -34,12 +35,19 @@ PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
 
 
 def load_reward_fn(spec: str | None):
-    """'module:function' → callable(data_source, response_text, ground_truth)."""
+    """'module:function' → callable(data_source, response_text, ground_truth[, extra_info=row's extra_info]),
+    returning a float or an object with .score (optional: .em, and .metrics, a dict of floats logged
+    by name as means over the trajectories that report them)."""
     if not spec:
         raise ValueError("reward.function is not set: give it as 'module:function', e.g. "
                          "search_r1.rewards:score_for")
     module, _, name = spec.partition(":")
     return getattr(importlib.import_module(module), name)
+
+
+def takes_extra_info(fn) -> bool:
+    """Whether the reward function takes the row's `extra_info` (verl's keyword), by name."""
+    return "extra_info" in inspect.signature(fn).parameters
 
 
 class ToolFailures(RuntimeError):
@@ -67,6 +75,7 @@ class PPOTrainer:
         self.tracker, self.total_steps = tracker, total_steps
         self.reward_fn = load_reward_fn(cfg.reward.function)
         self.reward_kwargs = cfg.reward.kwargs()
+        self.reward_takes_extra_info = takes_extra_info(self.reward_fn)
         self.estimator = core_algos.AdvEstimator(cfg.algorithm.adv_estimator)
         kl = cfg.algorithm.kl_ctrl
         self.kl_ctrl = (core_algos.AdaptiveKLController(kl.kl_coef, kl.target_kl, kl.horizon)
@@ -167,7 +176,7 @@ class PPOTrainer:
     def with_targets(batch: RolloutBatch, examples: list[Example], n: int) -> RolloutBatch:
         batch.info["data_source"] = [e.data_source for e in examples for _ in range(n)]
         batch.info["ground_truth"] = [e.ground_truth for e in examples for _ in range(n)]
-        batch.info["hops"] = [e.hops for e in examples for _ in range(n)]
+        batch.info["extra_info"] = [e.extra_info for e in examples for _ in range(n)]
         # a response begun in the prompt (data with a response prefix) is scored and logged whole
         prefixes = [e.response_prefix for e in examples for _ in range(n)]
         if any(prefixes):
@@ -175,15 +184,18 @@ class PPOTrainer:
         return batch
 
     def score(self, batch: RolloutBatch) -> tuple[torch.Tensor, dict]:
-        rewards, em, answered, by_source = [], [], [], defaultdict(list)
-        for text, source, gt in zip(batch.info["response_text"], batch.info["data_source"], batch.info["ground_truth"]):
-            result = self.reward_fn(source, text, gt, **self.reward_kwargs)
+        rewards, em, by_source, own = [], [], defaultdict(list), defaultdict(list)
+        extra = batch.info.get("extra_info") or [None] * len(batch)
+        for text, source, gt, info in zip(batch.info["response_text"], batch.info["data_source"],
+                                          batch.info["ground_truth"], extra):
+            kwargs = self.reward_kwargs | ({"extra_info": info} if self.reward_takes_extra_info else {})
+            result = self.reward_fn(source, text, gt, **kwargs)
             score = float(getattr(result, "score", result))
             rewards.append(score)
             em.append(float(getattr(result, "em", score)))
-            # the reward's reading where it has one (a tool-protocol answer ends its turn with eos)
-            answered.append(result.answer is not None if hasattr(result, "answer") else None)
             by_source[source].append(em[-1])
+            for name, value in (getattr(result, "metrics", None) or {}).items():  # the reward's own, by name
+                own[name].append(float(value))
         stats = batch.info["stats"]  # TrajectoryStats, one per trajectory
         metrics = {"reward/mean": float(np.mean(rewards)), "reward/em": float(np.mean(em)),
                    "response/length": float(np.mean([s.response_tokens for s in stats])),
@@ -199,8 +211,6 @@ class PPOTrainer:
         if done := [s.done_s for s in stats if s.done_s is not None]:
             for name, q in (("p50", 50), ("p90", 90), ("max", 100)):
                 metrics[f"rollout/done_s_{name}"] = float(np.percentile(done, q))
-        metrics[NO_ACTION] = float(np.mean([s.tool_calls == 0 and not (a if a is not None else s.finish == "answer")
-                                            for s, a in zip(stats, answered)]))
         # Groups whose rewards are all equal give GRPO no signal (their advantages are 0).
         groups = defaultdict(set)
         for gid, r in zip(batch.group_ids_B.tolist(), rewards):
@@ -208,37 +218,31 @@ class PPOTrainer:
         metrics["reward/flat_groups"] = float(np.mean([len(v) == 1 for v in groups.values()]))
         for source, values in by_source.items():
             metrics[f"reward/em/{source}"] = float(np.mean(values))
-        # By hop count where the data gives it: does a two-hop question get its second search?
-        by_hops = defaultdict(list)
-        for hops, value, s in zip(batch.info.get("hops", []), em, stats):
-            if hops is not None:
-                by_hops[hops].append((value, s.tool_calls))
-        for hops, pairs in by_hops.items():
-            metrics[f"em_by_hops/{hops}"] = float(np.mean([value for value, _ in pairs]))
-            metrics[f"searches_by_hops/{hops}"] = float(np.mean([calls for _, calls in pairs]))
+        # Means over the trajectories whose reward reported them (e.g. the search reward's by hop count).
+        metrics |= {name: float(np.mean(values)) for name, values in own.items()}
         batch.info["reward"] = rewards
         return torch.tensor(rewards, dtype=torch.float32), metrics
 
     def drop_failed_tool_calls(self, batch: RolloutBatch) -> dict:
-        """Trajectories whose search (tool call) failed saw an error text instead of passages: they
+        """Trajectories whose tool call failed saw an error text instead of the tool's output: they
         are masked out of the loss (their rewards still count in their group's baseline). Past
-        retriever.max_failure_rate of the searching trajectories, the run stops here, before any
-        update or checkpoint of this step."""
+        actor_rollout_ref.rollout.max_tool_failure_rate of the tool-calling trajectories, the run
+        stops here, before any update or checkpoint of this step."""
         stats = batch.info["stats"]
         failed = [s.tool_failed for s in stats]
         asked = sum(1 for s in stats if s.tool_failed or s.tool_calls > 0)
         rate = sum(failed) / asked if asked else 0.0
-        limit = self.cfg.retriever.max_failure_rate
+        limit = self.cfg.actor_rollout_ref.rollout.max_tool_failure_rate
         if failed and rate > limit:
-            raise ToolFailures(f"step {self.step + 1}: {sum(failed)} of {asked} searching trajectories got no "
-                               f"passages from {self.cfg.retriever.url} ({rate:.0%} > retriever.max_failure_rate="
-                               f"{limit:g}); see the workers' log for the errors. Nothing of this step was "
-                               "trained or saved: fix the retrieval server and rerun to resume.")
+            raise ToolFailures(f"step {self.step + 1}: {sum(failed)} of {asked} tool-calling trajectories got an "
+                               f"error instead of the tool's output ({rate:.0%} > actor_rollout_ref.rollout."
+                               f"max_tool_failure_rate={limit:g}); see the workers' log for the errors. Nothing of "
+                               "this step was trained or saved: fix the tool (e.g. its server) and rerun to resume.")
         rows = torch.tensor(failed, dtype=torch.bool)
         if rows.any():
             batch.loss_mask_BR[rows] = 0
             batch.response_mask_BR[rows] = 0
-        return {"agent/search_failures": float(sum(failed)), "agent/search_failure_rate": rate}
+        return {"agent/tool_failures": float(sum(failed)), "agent/tool_failure_rate": rate}
 
     def compute_advantages(self, batch: RolloutBatch) -> dict:
         a = self.cfg.algorithm

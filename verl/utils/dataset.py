@@ -59,7 +59,7 @@ class Example:
     data_source: str
     ground_truth: object
     index: int
-    hops: int | None = None   # extra_info.hops where the data has it (the bundled task): metrics by hop count
+    extra_info: dict | None = None   # the row's extra_info, passed on to a reward function that takes it
     response_prefix: str = ""   # the response's start, given in the prompt (see the module docstring)
 
 
@@ -179,9 +179,7 @@ def load_examples(files, tokenizer, max_prompt_length: int, apply_chat_template:
             if len(ids) > max_prompt_length:
                 dropped += 1
                 continue
-            hops = (row.get("extra_info") or {}).get("hops")
-            rows.append((ids, data_source, ground_truth, None if hops is None else int(hops),
-                         response_prefix(prompt)))
+            rows.append((ids, data_source, ground_truth, row.get("extra_info"), response_prefix(prompt)))
             indices.append(index)
             if limit and len(rows) >= limit:
                 break
@@ -191,8 +189,8 @@ def load_examples(files, tokenizer, max_prompt_length: int, apply_chat_template:
         log.warning("dropped %d prompts longer than data.max_prompt_length=%d tokens", dropped, max_prompt_length)
     if not rows:
         raise ValueError(f"no usable prompts in {files}")
-    return [Example(ids, source, gt, gid, hops, prefix)
-            for (ids, source, gt, hops, prefix), gid in zip(rows, group_ids(indices, files))]
+    return [Example(ids, source, gt, gid, extra, prefix)
+            for (ids, source, gt, extra, prefix), gid in zip(rows, group_ids(indices, files))]
 
 
 class PromptSampler:

@@ -8,7 +8,8 @@ import pytest
 
 from verl.workers.rollout.engines import Generation, SamplingConfig
 from search_r1.agent.loop import (INVALID_ACTION, SEARCH_FAILED, AgentConfig, Finish, HTTPSearcher,
-                                  Schedule, SearchAgent, Trajectory)
+                                  Schedule, SearchAgent, SearchAgentLoop, SearchTrajectory)
+from verl.workers.rollout.agent_loop import build_options
 from search_r1.local_models import load_smollm2_tokenizer
 from search_r1.retrieval.client import RetrieverConfig
 from conftest import free_port, vllm_skip_reason
@@ -199,13 +200,30 @@ def test_turn_prefix_opens_the_turn_after_every_observation(tokenizer):
 
 def test_the_trainer_loop_takes_turn_prefix_and_refuses_unknown_options(tokenizer):
     from search_r1.agent.loop import SearchAgentLoop
-    from verl.workers.rollout.agent_loop import AgentLoopSettings
+    from verl.trainer.config import ConfigError
+    from verl.workers.rollout.agent_loop import AgentLoopSettings, build_options
     retriever = {"url": "http://127.0.0.1:1/retrieve"}
-    loop = SearchAgentLoop(ScriptedEngine(tokenizer, {}), AgentLoopSettings(
-        max_tokens_per_turn=16, options={"max_turns": 2, "retriever": retriever, "turn_prefix": "<think>"}))
-    assert loop.agent.cfg.turn_prefix == "<think>"
-    with pytest.raises(ValueError, match="turn_prefix"):
-        SearchAgentLoop(ScriptedEngine(tokenizer, {}), AgentLoopSettings(16, options={"retriever": retriever, "prefix": "x"}))
+    options = build_options(SearchAgentLoop, {"max_turns": 2, "retriever": retriever, "turn_prefix": "<think>"},
+                            "agent_kwargs")
+    loop = SearchAgentLoop(ScriptedEngine(tokenizer, {}), AgentLoopSettings(max_tokens_per_turn=16, options=options))
+    assert loop.agent.cfg.turn_prefix == "<think>" and loop.agent.cfg.max_turns == 2
+    with pytest.raises(ConfigError, match="agent_kwargs.prefix: .*no such option; its options here: .*turn_prefix"):
+        build_options(SearchAgentLoop, {"retriever": retriever, "prefix": "x"}, "agent_kwargs")
+
+
+def test_malformed_queries_are_invalid_actions_unless_the_original_behaviour_is_asked_for(tokenizer):
+    """An empty <search></search> and a query that still holds <search> get a correction here; with
+    search_malformed_queries (the original's behaviour) they are searched as written."""
+    script = {"Q:": ["<search></search>", "<search>a <search> b</search>", "<answer>x</answer>"]}
+    searcher = DictSearcher()
+    (ours,), _ = run(tokenizer, script, searcher, max_turns=3)
+    assert (ours.invalid_actions, ours.searches, searcher.batches) == (2, 0, [])
+    (original,), _ = run(tokenizer, script, searcher, max_turns=3, search_malformed_queries=True)
+    assert (original.invalid_actions, original.searches) == (0, 2)
+    # the health watch's no_action: neither searched nor answered
+    (silent,), _ = run(tokenizer, {"Q:": ["no tags"]}, searcher)
+    assert [t.stats().metrics["no_action"] for t in (ours, original, silent)] == [0.0, 0.0, 1.0]
+    assert sorted(q for batch in searcher.batches for q in batch) == ["", "a <search> b"]
 
 
 def test_observation_that_does_not_fit_cuts_the_trajectory(tokenizer):
@@ -368,8 +386,8 @@ def test_logit_bias_reaches_the_engine(tiny_model_dir, schedule):
     prompts = [tok.encode("Q: where?"), tok.encode("Q: who wrote it?")]
     sampling = SamplingConfig(temperature=1.0, max_tokens=64, logit_bias={token: 100.0})
     agent = SearchAgent(engine, DictSearcher(), AgentConfig(max_response_tokens=12, schedule=schedule))
-    settings = AgentLoopSettings(max_tokens_per_turn=6, schedule=schedule, options={
-        "max_turns": 1, "retriever": {"url": f"http://127.0.0.1:{free_port()}/retrieve"}})
+    settings = AgentLoopSettings(max_tokens_per_turn=6, schedule=schedule, options=build_options(SearchAgentLoop, {
+        "max_turns": 1, "retriever": {"url": f"http://127.0.0.1:{free_port()}/retrieve"}}, "agent_kwargs"))
     trainer_loop = SearchAgentLoop(engine, settings)
     for trajectories, length in ((agent.run(prompts, sampling), 12), (trainer_loop.run(prompts, sampling), 6)):
         for t in trajectories:
@@ -381,7 +399,7 @@ def test_each_trajectory_and_turn_samples_with_a_seed_of_its_own(tokenizer):
     reach the engine: a resumed step draws what the uninterrupted one drew."""
     agent = SearchAgent(ScriptedEngine(tokenizer, {}), DictSearcher(), AgentConfig())
     base = SamplingConfig(temperature=1.0, max_tokens=64, seed=7)
-    first, second = Trajectory([1], index=0), Trajectory([1], index=1)
+    first, second = SearchTrajectory([1], index=0), SearchTrajectory([1], index=1)
     seeds = {agent._sampling(first, base).seed, agent._sampling(second, base).seed}
     first.turns = 1
     seeds.add(agent._sampling(first, base).seed)

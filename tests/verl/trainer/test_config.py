@@ -76,28 +76,36 @@ def test_logit_bias_outside_the_vocabulary_stops_the_trainer(tiny_model_dir, tmp
 
 
 def test_multi_turn_keys_select_the_tool_loop_and_refuse_what_it_does_not_read():
-    """verl's multi_turn keys: enable selects the tool-calling loop (a preset's search agent gives way,
-    one named on the command line clashes), needs a tool config, and the search agent's retriever
-    keys are refused with it (the tool YAML holds them); tool keys without enable are refused too."""
+    """verl's multi_turn keys: enable selects the tool-calling loop (a preset's agent loop named
+    elsewhere gives way, one named on the command line clashes), needs a tool config, and the search
+    agent's options (the original's retriever keys among them) are refused with it: the tool YAML
+    holds the tool's settings; tool keys without enable are refused too."""
     from hydra import compose, initialize_config_dir
+    from verl.single_controller.roles import agent_loop_settings
     from verl.trainer.config import TOOL_LOOP, agent_loop_spec, check_agent_keys
+    from verl.trainer.main_ppo import accept_plus_on_existing_keys
     base = ["data.train_files=t.parquet", "actor_rollout_ref.model.path=m"]
     on = ["actor_rollout_ref.rollout.multi_turn.enable=true",
           "actor_rollout_ref.rollout.multi_turn.tool_config_path=configs/tools/search.yaml"]
 
     def check(overrides, preset="ppo_trainer"):
-        cfg = load_config(compose(preset, overrides=base + overrides))
+        cfg = load_config(compose(preset, overrides=accept_plus_on_existing_keys(base + overrides)))
         check_agent_keys(cfg, {o.split("=", 1)[0] for o in overrides})
+        agent_loop_settings(cfg, "cpu")   # the loop's options, checked against its Options
         return agent_loop_spec(cfg)
 
     with initialize_config_dir(config_dir=str(CONFIG.parent), version_base=None):
         assert check(on) == TOOL_LOOP
-        assert check(on, "search_r1_grpo") == TOOL_LOOP   # train_grpo.sh's search agent gives way
+        assert check(on + ["actor_rollout_ref.rollout.multi_turn.max_assistant_turns=3"]) == TOOL_LOOP
+        # train_grpo.sh's search agent and its options (max_turns, retriever.*) are the preset's: refused
+        # with the tool loop, naming the first option it does not take
+        with pytest.raises(ConfigError, match=r"agent_kwargs.max_turns: the agent loop .*ToolAgentLoop has no such"):
+            check(on, "search_r1_grpo")
         with pytest.raises(ConfigError, match="drop one of the two"):
             check(on + ["actor_rollout_ref.rollout.agent_loop=search_r1.agent.loop:SearchAgentLoop"])
         with pytest.raises(ConfigError, match="needs actor_rollout_ref.rollout.multi_turn.tool_config_path"):
             check(on[:1])
-        with pytest.raises(ConfigError, match="retriever.url set with .*reads its settings from the tool YAML"):
+        with pytest.raises(ConfigError, match=r"agent_kwargs.retriever: the agent loop .*ToolAgentLoop has no such"):
             check(on + ["retriever.url=http://x:1/retrieve"])
         assert check(on + ["retriever.max_failure_rate=0.5"]) == TOOL_LOOP   # the trainer's own check
         with pytest.raises(ConfigError, match="multi_turn.enable=false"):

@@ -106,9 +106,7 @@ ACCEPTED_UNUSED = {
     "critic.model.use_remove_padding": "false",
     "actor_rollout_ref.ref.fsdp_config.optimizer_offload": "true",
     "actor_rollout_ref.ref.fsdp_config.unsharded_accumulation": "true",
-    "reranker.url": "http://10.0.0.1:6980/rerank",
-    "reranker.topk": "5",
-}
+}   # the original's reranker.url and reranker.topk: in the search package's table (tests/search_r1/test_compat.py)
 
 
 @pytest.mark.parametrize("dotted, value", sorted(ACCEPTED_UNUSED.items()))
@@ -127,8 +125,7 @@ def test_help_of_keys_with_one_accepted_value_says_the_truth():
     # rollout.n is not an alias of n_agent: only 1 is accepted (test_original_keys checks the refusal)
     assert "only 1 is accepted" in HELP["actor_rollout_ref.rollout.n"]
     assert "no alias" in HELP["actor_rollout_ref.rollout.n"]
-    for dotted in ("algorithm.no_think_rl", "reranker.do_rerank"):
-        assert "only false is accepted" in HELP[dotted]
+    assert "only false is accepted" in HELP["algorithm.no_think_rl"]
     assert "only null" in HELP["trainer.default_hdfs_dir"]
     # the reference follows the actor's precision: asking it alone for fp32 is refused
     assert "false alone is refused" in HELP["actor_rollout_ref.ref.fsdp_config.mixed_precision"]

@@ -60,7 +60,7 @@ def test_validation_drop_from_the_best_is_a_sign_and_names_the_best_step():
 def test_a_rise_of_trajectories_without_an_action_is_a_sign():
     signs = _steps(_watch(no_action_rise=0.5), [{NO_ACTION: s} for s in (0.9, 0.3, 0.2, 0.6, 0.8)])
     assert signs[:4] == [[], [], [], []]
-    assert "80% of the trajectories neither searched nor answered, up from 20%" in signs[4][0]
+    assert "80% of the trajectories took no action (agent/no_action), up from 20%" in signs[4][0]
     # one healthy step is baseline enough: the GPU run at 100× the learning rate went 1% → 100% in one step
     assert _steps(_watch(no_action_rise=0.5), [{NO_ACTION: 0.006}, {NO_ACTION: 1.0}])[1]
 
@@ -268,15 +268,19 @@ def test_scoring_reports_flat_groups_and_trajectories_without_an_action():
     batch = pack_trajectories([[1]] * 4, [[ord(c) for c in t] for t in texts], [[1] * len(t) for t in texts],
                               [0, 0, 1, 1], 0)
     batch.info = {"response_text": texts, "data_source": ["nq"] * 4,
-                  "ground_truth": [{"target": ["Paris"]}] * 4, "hops": [2, 2, 1, None],
-                  # the second answered in a turn that ended with eos, as the tool-calling loop records it
-                  "stats": [TrajectoryStats("answer", 9, 9, tool_calls=1), TrajectoryStats("eos", 3, 3),
-                            TrajectoryStats("eos", 3, 3), TrajectoryStats("length", 3, 3)]}
+                  "ground_truth": [{"target": ["Paris"]}] * 4,
+                  "extra_info": [{"hops": 2}, {"hops": 2}, {"hops": 1}, None],
+                  # the agent loop says which trajectories took no action (the second answered)
+                  "stats": [TrajectoryStats("answer", 9, 9, tool_calls=1, metrics={"no_action": 0.0}),
+                            TrajectoryStats("eos", 3, 3, metrics={"no_action": 0.0}),
+                            TrajectoryStats("eos", 3, 3, metrics={"no_action": 1.0}),
+                            TrajectoryStats("length", 3, 3, metrics={"no_action": 1.0})]}
     rewards, metrics = trainer.score(batch)
     assert rewards.tolist() == pytest.approx([0.9, 0.0, 0.0, 0.0])   # EM 1 less one search at 0.1
     assert metrics["reward/flat_groups"] == 0.5          # group 1's rewards are all 0
     assert metrics[NO_ACTION] == 0.5                      # two neither searched nor answered
-    # by hop count, over the rows that have one: the two-hop pair searched once in two, got one right
+    # by hop count, over the rows that have one (the search reward's metrics, logged by name): the
+    # two-hop pair searched once in two, got one right
     assert (metrics["em_by_hops/2"], metrics["searches_by_hops/2"]) == (0.5, 0.5)
     assert (metrics["em_by_hops/1"], metrics["searches_by_hops/1"]) == (0.0, 0.0)
     assert not any(k.endswith("/None") for k in metrics)

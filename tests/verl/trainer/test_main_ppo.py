@@ -94,7 +94,7 @@ def test_grpo_two_steps(grpo_two_steps):
                     "timing_s/rollout", "timing_s/ref_log_probs",
                     "timing_s/update_actor", "timing_s/weight_sync", "agent/searches",
                     "throughput/generated_tokens_per_s", "balance/max_over_mean_tokens", "reward/flat_groups",
-                    "health/no_action_share", "health/alarms"):
+                    "agent/no_action", "health/alarms"):
             assert key in r, key
         # one optimizer step on the step's own samples: no separate old-log-prob pass (actor.old_log_probs=auto)
         assert "timing_s/old_log_probs" not in r and r["clipfrac"] == 0

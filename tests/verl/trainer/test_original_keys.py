@@ -124,11 +124,16 @@ def test_reward_terms_out_of_range_stop_at_start_up(override, message):
         load(ORIGINAL_GRPO + SEARCH + ["reward.retrieval_score=0.4", override])
 
 
-def test_retriever_keys_without_an_agent_loop_stop_at_start_up():
-    cfg = load(ORIGINAL_GRPO + ["reward.function=search_r1.rewards:score_for"])
-    with pytest.raises(ConfigError, match="agent_loop=search_r1.agent.loop:SearchAgentLoop"):
-        check_agent_keys(cfg, {"max_turns", "retriever.url", "data.train_files"})
-    check_agent_keys(cfg, {"data.train_files"})  # plain single-turn generation asked for nothing else
+def test_the_original_command_line_alone_selects_the_search_agent_and_the_em_reward():
+    """The original never named an agent loop or a reward: its max_turns and retriever.* keys run the
+    search agent with the data-source EM reward here too (search_r1.compat)."""
+    from verl.single_controller.roles import agent_loop_settings
+    cfg = load(ORIGINAL_GRPO)
+    assert cfg.actor_rollout_ref.rollout.agent_loop == "search_r1.agent.loop:SearchAgentLoop"
+    assert cfg.reward.function == "search_r1.rewards:score_for"
+    options = agent_loop_settings(cfg, "cpu").options
+    assert (options.max_turns, options.retriever.url, options.retriever.topk) == (2, "http://127.0.0.1:8000/retrieve", 3)
+    check_agent_keys(cfg, {"max_turns", "retriever.url", "data.train_files"})
 
 
 def test_the_original_command_line_composes_through_hydra():
@@ -145,3 +150,20 @@ def test_a_missing_reward_function_stops_before_any_worker_starts(tmp_path):
                         "actor_rollout_ref.model.path=unused", "trainer.device=cpu"],
                        cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "reward.function" in r.stderr, r.stderr[-2000:]
+
+
+@pytest.mark.e2e  # launches the trainer
+def test_the_original_command_line_runs_the_search_agent_and_says_so(tmp_path):
+    """The original train_grpo.sh line with only sizes, paths and the device changed gets past the
+    config checks (agent loop and reward chosen as the original ran, logged) to the retriever's
+    check: nothing listens at the original's URL here, so that check stops it."""
+    from conftest import free_port
+    url = f"http://127.0.0.1:{free_port()}/retrieve"
+    line = [o for o in ORIGINAL_GRPO if not o.startswith(("retriever.url", "trainer.n_gpus_per_node"))]
+    r = subprocess.run([sys.executable, "-m", "verl.trainer.main_ppo", *line, f"retriever.url={url}",
+                        "trainer.n_gpus_per_node=1", "trainer.device=cpu", f"hydra.run.dir={tmp_path}"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=180)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "which ran with actor_rollout_ref.rollout.agent_loop=search_r1.agent.loop:SearchAgentLoop and " \
+           "reward.function=search_r1.rewards:score_for" in r.stdout + r.stderr   # Hydra's log: stdout
+    assert "start-up check failed" in r.stderr and url in r.stderr

@@ -1,5 +1,5 @@
-"""Failed searches in training: counted, masked out of the loss, and past
-retriever.max_failure_rate the step stops before anything is trained or saved. A retriever that is
+"""Failed searches (tool calls) in training: counted, masked out of the loss, and past
+actor_rollout_ref.rollout.max_tool_failure_rate the step stops before anything is trained or saved. A retriever that is
 down stops the trainer at start-up, before Ray and the workers."""
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ def batch_with(calls_and_failures):
 
 def trainer(max_failure_rate=0.5):
     cfg = TrainerConfig()
-    cfg.retriever.max_failure_rate = max_failure_rate
+    cfg.actor_rollout_ref.rollout.max_tool_failure_rate = max_failure_rate
     return SimpleNamespace(cfg=cfg, step=6)
 
 
@@ -37,7 +37,7 @@ def test_failed_searches_are_counted_and_masked_out_of_the_loss():
     stats = [(1, True), (2, False), (0, False), (1, False)]
     batch = batch_with(stats)
     metrics = PPOTrainer.drop_failed_tool_calls(trainer(), batch)
-    assert metrics == {"agent/search_failures": 1.0, "agent/search_failure_rate": pytest.approx(1 / 3)}
+    assert metrics == {"agent/tool_failures": 1.0, "agent/tool_failure_rate": pytest.approx(1 / 3)}
     assert batch.loss_mask_BR[0].sum() == 0 and batch.response_mask_BR[0].sum() == 0
     assert batch.loss_mask_BR[1:].sum() == 12  # the others keep every token
 
@@ -45,7 +45,7 @@ def test_failed_searches_are_counted_and_masked_out_of_the_loss():
 def test_too_many_failures_stop_the_step_with_the_cause():
     stats = [(1, True)] * 3 + [(1, False)]
     batch = batch_with(stats)
-    with pytest.raises(ToolFailures, match=r"step 7: 3 of 4 searching trajectories .*retriever.max_failure_rate=0.5"):
+    with pytest.raises(ToolFailures, match=r"step 7: 3 of 4 tool-calling trajectories .*rollout.max_tool_failure_rate=0.5"):
         PPOTrainer.drop_failed_tool_calls(trainer(), batch)
     assert batch.loss_mask_BR.sum() == 16  # nothing was changed: the step is not trained at all
 

@@ -120,7 +120,7 @@ def test_rlinf_jsonl(tmp_path):
     assert [e.ground_truth for e in examples] == [{"target": ["William Shakespeare", "Shakespeare"]},
                                                   {"target": ["Lima"]}]
     assert [e.data_source for e in examples] == [RLINF_DATA_SOURCE, "hotpotqa"]
-    assert [e.index for e in examples] == [0, 1] and [e.hops for e in examples] == [None, None]
+    assert [e.index for e in examples] == [0, 1] and [(e.extra_info or {}).get("hops") for e in examples] == [None, None]
 
     # text would be wrapped in a second template: refused, saying what to set
     with pytest.raises(ValueError, match="data.apply_chat_template=false"):
@@ -177,13 +177,13 @@ def test_colliding_indices_are_renumbered(tmp_path, caplog):
     assert [e.index for e in examples] == [10, 11]
 
 
-def test_the_hop_count_comes_from_extra_info_where_the_data_has_it(tmp_path):
+def test_extra_info_reaches_the_examples_with_the_hop_count_where_the_data_has_it(tmp_path):
     rows = [{"data_source": "geo_qa", "prompt": [{"role": "user", "content": f"q{i}"}],
              "reward_model": {"ground_truth": {"target": ["a"]}},
              "extra_info": {"index": i, **({"hops": i} if i else {})}} for i in range(3)]
     examples = load_examples(write_parquet(tmp_path / "t.parquet", rows), RecordingTokenizer(), 1000,
                              apply_chat_template=False)
-    assert [e.hops for e in examples] == [None, 1, 2]
+    assert [(e.extra_info or {}).get("hops") for e in examples] == [None, 1, 2]   # for the reward (by hop count)
 
 
 def test_a_prompt_ending_with_the_assistant_begins_the_response(smollm2_tokenizer, tmp_path):

@@ -18,7 +18,14 @@ class Completion:
         return TrajectoryStats(self.finish, len(self.response_ids), len(self.response_ids), metrics={"turns": 1})
 
 
+@dataclass
+class SingleTurnOptions:
+    """One generation per prompt takes no options of its own."""
+
+
 class SingleTurnLoop:
+    Options = SingleTurnOptions
+
     def __init__(self, engine: Engine, settings: AgentLoopSettings):
         self.engine, self.settings = engine, settings
 

@@ -10,7 +10,7 @@ complete call) or until it ends its message. A call is parsed as JSON `{"name", 
 malformed JSON, an unknown tool or arguments the tool refuses go back to the model as the tool's
 answer, saying what was wrong, and are counted (`agent/malformed_calls`, `agent/unknown_tool_calls`,
 `agent/tool_argument_errors`); a tool that fails or times out is counted in `tool_failed`, which
-the trainer checks against `retriever.max_failure_rate`. The tool message is appended with the
+the trainer checks against `actor_rollout_ref.rollout.max_tool_failure_rate`. The tool message is appended with the
 template's own framing (`verl.tools.chat.ChatFormat`), closing the model's turn first: the model
 stopped at `</tool_call>`, so the end-of-turn marker is written by the loop, with the tool message,
 at loss_mask 0. A message without a call ends the trajectory (finish `eos`).
@@ -28,6 +28,7 @@ from typing import Any
 
 from verl.tools.base import ToolRunner, build_tools, read_tool_config, tool_schemas
 from verl.tools.chat import CALL_CLOSE, CALL_OPEN, ChatFormat
+from verl.trainer.config import MultiTurnConfig
 from verl.workers.rollout.agent_loop import AgentLoopSettings
 from verl.workers.rollout.multi_turn import Finish, MultiTurnAgent, Schedule, Trajectory, TurnConfig
 
@@ -80,6 +81,8 @@ class ToolTrajectory(Trajectory):
     def stats(self):
         stats = super().stats()
         stats.metrics = {name: 0 for name in CALL_ERRORS} | stats.metrics
+        # A message without a call is the protocol's final answer (finish eos): no action is neither.
+        stats.metrics["no_action"] = float(self.tool_calls == 0 and self.finish != Finish.EOS)
         return stats
 
 
@@ -135,11 +138,12 @@ class ToolCallingAgent(MultiTurnAgent):
 
 
 class ToolAgentLoop:
-    """The tool-calling loop as a trainer agent loop. Options (`settings.options`): `tool_config_path`
-    (required), `max_assistant_turns` (model messages per trajectory; default: `max_turns` + 1, the
-    original's top-level key) and `format` (`hermes`: `<tool_call>` JSON, the only one)."""
+    """The tool-calling loop as a trainer agent loop. Its options are verl's multi_turn keys
+    (`MultiTurnConfig`): `tool_config_path` (required), `max_assistant_turns` (model messages per
+    trajectory; null: 2, one tool round and the answer) and `format` (`hermes`: `<tool_call>` JSON,
+    the only one)."""
 
-    OPTIONS = {"tool_config_path", "max_assistant_turns", "format", "max_turns"}
+    Options = MultiTurnConfig
 
     def __init__(self, engine, settings: AgentLoopSettings):
         path, rounds = self._options(settings)
@@ -153,21 +157,17 @@ class ToolAgentLoop:
 
     @classmethod
     def _options(cls, settings: AgentLoopSettings) -> tuple[str, int]:
-        options = settings.options
-        unknown = sorted(set(options) - cls.OPTIONS)
-        if unknown:
-            raise ValueError(f"the tool-calling loop has no option {unknown}: it takes {sorted(cls.OPTIONS)}")
-        if not options.get("tool_config_path"):
+        options: MultiTurnConfig = settings.options
+        if not options.tool_config_path:
             raise ValueError("the tool-calling loop needs a tool config: set "
                              "actor_rollout_ref.rollout.multi_turn.tool_config_path=tools.yaml")
-        if options.get("format", "hermes") not in ("hermes", "qwen"):
-            raise ValueError(f"actor_rollout_ref.rollout.multi_turn.format={options['format']!r}: only hermes "
+        if options.format not in ("hermes", "qwen"):
+            raise ValueError(f"actor_rollout_ref.rollout.multi_turn.format={options.format!r}: only hermes "
                              "(<tool_call> JSON, as Qwen2.5 writes it) is supported")
-        turns = options.get("max_assistant_turns")
-        turns = int(turns) if turns is not None else int(options.get("max_turns", 1)) + 1
+        turns = options.max_assistant_turns if options.max_assistant_turns is not None else 2
         if turns < 1:
             raise ValueError(f"actor_rollout_ref.rollout.multi_turn.max_assistant_turns={turns}: give at least 1")
-        return options["tool_config_path"], turns - 1
+        return options.tool_config_path, turns - 1
 
     @classmethod
     def max_response_tokens(cls, settings: AgentLoopSettings) -> int:

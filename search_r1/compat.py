@@ -1,0 +1,43 @@
+"""The original Search-R1 trainer's own keys, read into this trainer's: its compatibility table.
+
+The original's `verl.trainer.main_ppo` command line (train_grpo.sh, train_ppo.sh) sets the search
+agent's settings as top-level keys: `max_turns`, `retriever.url`, `retriever.topk`, and the PPO
+script's `reranker.*`. The trainer here knows no search: those keys are the search loop's options
+(`search_r1.agent.loop.SearchLoopOptions`, under `actor_rollout_ref.rollout.agent_kwargs`), and this
+table says where each one goes. The original always ran the search agent with the data-source EM
+reward, without keys to ask for them: when its keys are given, the table names those two where the
+command line names none (and the log says so).
+
+The trainer finds the table through the `verl.compat` entry point group (pyproject.toml), or through
+VERL_COMPAT=search_r1.compat:ORIGINAL_SEARCH_R1 in a checkout used without installing it
+(verl.trainer.compat).
+"""
+from __future__ import annotations
+
+from verl.trainer.compat import CompatTable, IgnoredKey, MovedKey, OneValueKey
+
+SEARCH_LOOP = "search_r1.agent.loop:SearchAgentLoop"
+OPTIONS = "actor_rollout_ref.rollout.agent_kwargs"
+
+ORIGINAL_SEARCH_R1 = CompatTable(
+    name="the original Search-R1",
+    keys={
+        "max_turns": MovedKey(f"{OPTIONS}.max_turns"),
+        "retriever.url": MovedKey(f"{OPTIONS}.retriever.url"),
+        "retriever.topk": MovedKey(f"{OPTIONS}.retriever.topk"),
+        # Not the original's: this trainer's own top-level retriever keys before they became options.
+        "retriever.api_key": MovedKey(f"{OPTIONS}.retriever.api_key"),
+        "retriever.timeout_s": MovedKey(f"{OPTIONS}.retriever.timeout_s"),
+        "retriever.connect_timeout_s": MovedKey(f"{OPTIONS}.retriever.connect_timeout_s"),
+        "retriever.retries": MovedKey(f"{OPTIONS}.retriever.retries"),
+        "retriever.max_failure_rate": MovedKey("actor_rollout_ref.rollout.max_tool_failure_rate", selects=False),
+        # The original called a re-ranking service of its own; here the retrieval server re-ranks.
+        "reranker.do_rerank": OneValueKey(False, "re-ranking runs inside the retrieval server here; start it with "
+                                                 "`search-r1 serve --reranker_model MODEL --topk_retrieval N` and "
+                                                 "drop reranker.*"),
+        "reranker.url": IgnoredKey("the retrieval server re-ranks here: search-r1 serve --reranker_model"),
+        "reranker.topk": IgnoredKey("retriever.topk sets the passages per search"),
+    },
+    defaults={"actor_rollout_ref.rollout.agent_loop": SEARCH_LOOP,
+              "reward.function": "search_r1.rewards:score_for"},
+)

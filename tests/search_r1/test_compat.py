@@ -1,0 +1,93 @@
+"""The original Search-R1's own trainer keys, read through the search package's compatibility table:
+`max_turns` and `retriever.*` become the search loop's options and, with no agent loop or reward
+named, select the search agent and the data-source EM reward as the original ran; its re-ranking
+keys are accepted and unused (do_rerank only false); the table is registered as an entry point."""
+from __future__ import annotations
+
+import logging
+import tomllib
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from search_r1.agent.loop import SearchAgentLoop, SearchLoopOptions
+from search_r1.compat import ORIGINAL_SEARCH_R1
+from verl.single_controller.roles import agent_loop_settings
+from verl.trainer.compat import ENTRY_POINT_GROUP, load_table
+from verl.trainer.config import ConfigError, load_config
+
+ROOT = Path(__file__).resolve().parents[2]
+REQUIRED = ["data.train_files=t.parquet", "actor_rollout_ref.model.path=m"]
+
+
+def load(*overrides):
+    return load_config(OmegaConf.merge(OmegaConf.load(ROOT / "configs" / "ppo_trainer.yaml"),
+                                       OmegaConf.from_dotlist(REQUIRED + list(overrides))))
+
+
+def test_the_table_is_the_entry_point_pyproject_registers():
+    entry = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"][ENTRY_POINT_GROUP]
+    assert load_table(entry["search_r1"]) is ORIGINAL_SEARCH_R1
+
+
+def test_original_keys_select_the_search_agent_and_the_em_reward_and_say_so(caplog):
+    with caplog.at_level(logging.INFO):
+        cfg = load("max_turns=2", "retriever.url=http://h:8000/retrieve", "retriever.topk=5")
+    rollout = cfg.actor_rollout_ref.rollout
+    assert rollout.agent_loop == "search_r1.agent.loop:SearchAgentLoop"
+    assert cfg.reward.function == "search_r1.rewards:score_for"
+    assert "keys of the original Search-R1, which ran with actor_rollout_ref.rollout.agent_loop=" in caplog.text
+    options = agent_loop_settings(cfg, "cpu").options
+    assert isinstance(options, SearchLoopOptions)
+    assert (options.max_turns, options.retriever.url, options.retriever.topk) == (2, "http://h:8000/retrieve", 5)
+    # the search loop's own default where the original's key is not given: defined once, in its options
+    assert agent_loop_settings(load("retriever.url=http://h/retrieve"), "cpu").options.max_turns == \
+        SearchLoopOptions().max_turns
+
+
+def test_names_given_are_kept_and_a_key_given_twice_must_agree():
+    cfg = load("max_turns=2", "reward.function=rewards_for_tests:early_letter_reward")
+    assert cfg.reward.function == "rewards_for_tests:early_letter_reward"
+    assert load("actor_rollout_ref.rollout.max_tool_failure_rate=0.2",
+                "retriever.max_failure_rate=0.2").actor_rollout_ref.rollout.max_tool_failure_rate == 0.2
+    with pytest.raises(ConfigError, match="max_turns=2 and actor_rollout_ref.rollout.agent_kwargs.max_turns=3 set"):
+        load("max_turns=2", "actor_rollout_ref.rollout.agent_kwargs={max_turns: 3}")
+    # the trainer's failure limit selects nothing: a single-turn run may set it
+    assert load("retriever.max_failure_rate=0.3").actor_rollout_ref.rollout.agent_loop is None
+
+
+def test_reranker_keys_are_accepted_and_unused_and_do_rerank_only_false(caplog):
+    with caplog.at_level(logging.INFO):
+        cfg = load("reranker.do_rerank=false", "reranker.url=http://10.0.0.1:6980/rerank", "reranker.topk=5")
+    assert "reranker.topk=5: a key of the original Search-R1, accepted and unused" in caplog.text
+    assert cfg.actor_rollout_ref.rollout.agent_loop is None   # accepted keys select nothing
+    with pytest.raises(ConfigError, match="--reranker_model"):
+        load("reranker.do_rerank=true")
+
+
+@pytest.mark.parametrize("override, message", [
+    ("retriever.urll=http://h/retrieve", r"retriever.urll: not a key of the original Search-R1 .*retriever.url"),
+    ("actor_rollout_ref.rollout.agent_kwargs={max_turn: 2}",
+     r"agent_kwargs.max_turn: the agent loop search_r1.agent.loop:SearchAgentLoop has no such option; its options "
+     r"here: max_turns, retriever, search_malformed_queries, turn_prefix"),
+    ("actor_rollout_ref.rollout.agent_kwargs={retriever: {uri: x}}", r"agent_kwargs.retriever.uri: .*no such option"),
+    ("actor_rollout_ref.rollout.agent_kwargs={max_turns: many}", r"agent_kwargs.max_turns: Value 'many'"),
+])
+def test_unknown_or_mistyped_options_stop_at_start_up_naming_the_key(override, message):
+    with pytest.raises(ConfigError, match=message):
+        cfg = load("actor_rollout_ref.rollout.agent_loop=search_r1.agent.loop:SearchAgentLoop", override)
+        agent_loop_settings(cfg, "cpu")
+
+
+def test_single_turn_generation_takes_no_options():
+    with pytest.raises(ConfigError, match="SingleTurnLoop has no such option"):
+        agent_loop_settings(load("actor_rollout_ref.rollout.agent_kwargs={turn_prefix: x}"), "cpu")
+
+
+def test_prompts_that_teach_the_tool_protocol_are_refused_by_the_tag_agent():
+    settings = agent_loop_settings(load("max_turns=2"), "cpu")
+    tools = "Call a tool as <tool_call>{\"name\": \"search\", \"arguments\": {...}}</tool_call>."
+    with pytest.raises(ValueError, match="actor_rollout_ref.rollout.multi_turn.enable=true"):
+        SearchAgentLoop.check_prompts(settings, ["Question: who?", tools])
+    SearchAgentLoop.check_prompts(settings, ["Search with <search> query </search>. Question: who?"])
