@@ -26,8 +26,8 @@ the trainer falls back to the previous checkpoint. Every reader checks first: re
 the export (hence evaluation). A checkpoint without a manifest is corrupt as well (a partial copy
 looks like that); only checkpoints written before manifests existed may be read unchecked, and only
 when asked (`allow_unverified`: trainer.allow_unverified_checkpoint, --allow-unverified-checkpoint),
-where a file that fails to load is then taken for a damaged one. A state with a nan or inf is refused before
-anything is written. Free space is checked against the last checkpoint's size (or the state's bytes
+and a file of theirs that fails to load is then taken for a damaged one. A state with a nan or inf
+is refused before anything is written. Free space is checked against the last checkpoint's size (or the state's bytes
 for the first) before writing, and a save that fails for any reason removes its partial directory.
 Older checkpoints are deleted only once the new one is complete with its manifest, so rotation
 never deletes the newest checkpoint that verified. Checks that one rank could fail alone (a shard of
