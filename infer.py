@@ -65,6 +65,23 @@ def start_hints(args) -> list[str]:
     return hints
 
 
+def checkpoint_problem(model: str | None) -> str | None:
+    """What to do instead when `model` is a training run or checkpoint: its shards are read only by the
+    export, which checks them against the checkpoint's manifest first."""
+    if model is None or not os.path.isdir(model):
+        return None
+    from pathlib import Path
+
+    from search_r1.evaluate import find_checkpoint
+    ckpt, run = find_checkpoint(Path(model))
+    if ckpt is None:
+        return None
+    return (f"--model {model} is a training checkpoint ({ckpt}), not a model directory: use {run / 'hf_actor'} "
+            f"(the trainer exports the actor there with each checkpoint) or export it first, which checks its "
+            f"files against its manifest: python -m verl.trainer.checkpoint export --checkpoint {ckpt} "
+            f"--config-source BASE_MODEL_DIR --out DIR")
+
+
 def build_parser():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -105,6 +122,8 @@ def main(argv=None) -> int:
     if args.turn_prefix and args.protocol == "tools":
         parser.error("--turn-prefix goes with the tags protocol only: in the tool protocol the chat template "
                      "opens every turn")
+    if problem := checkpoint_problem(args.model):
+        parser.error(problem)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     for hint in start_hints(args):
         print(hint, file=sys.stderr, flush=True)

@@ -205,6 +205,14 @@ def main(argv: list[str] | None = None) -> int:
         # Start-up problems a user can fix: one line, no traceback.
         print(f"search-r1 {args.cmd}: error: {e}", file=sys.stderr)
         return 2
+    except RuntimeError as e:
+        # A training checkpoint that fails verification (`eval` exports one first): the message names
+        # the file. Imported here only: the module brings torch, which most commands do without.
+        from verl.trainer.checkpoint import CheckpointCorrupt
+        if not isinstance(e, CheckpointCorrupt):
+            raise
+        print(f"search-r1 {args.cmd}: error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -76,6 +76,9 @@ class EvalConfig:
     protocol: str = "tags"            # tags: <search>/<information>; tools: search tool calls (search mode)
     turn_prefix: str = ""             # tags, search mode: written after each observation (AgentConfig.turn_prefix)
     base_model: str | None = None     # config/tokenizer source when exporting a checkpoint
+    # A checkpoint without manifest.json (written before checksums existed) is exported unchecked;
+    # False: it is refused as corrupt, as a partial copy is.
+    allow_unverified_checkpoint: bool = False
     label: str | None = None          # the model's name in the table
     batch_size: int = 1024            # questions per agent run (progress and memory)
     # vLLM only. continuous: a question's next turn joins the running batch as soon as its passages
@@ -235,8 +238,10 @@ def find_checkpoint(path: Path) -> tuple[Path | None, Path | None]:
     return None, None
 
 
-def resolve_model(model: str, base_model: str | None, out: str | os.PathLike) -> tuple[str, str]:
-    """(loadable model path or hub id, label). A checkpoint is exported to `<out>/model`, once."""
+def resolve_model(model: str, base_model: str | None, out: str | os.PathLike,
+                  allow_unverified: bool = False) -> tuple[str, str]:
+    """(loadable model path or hub id, label). A checkpoint is exported to `<out>/model`, once; the
+    export checks its files against its manifest first (CheckpointCorrupt names the file that fails)."""
     ckpt, run = find_checkpoint(Path(model))
     if ckpt is None:
         return model, Path(model).name or model
@@ -258,7 +263,7 @@ def resolve_model(model: str, base_model: str | None, out: str | os.PathLike) ->
         return str(exported), label
     from verl.trainer.checkpoint import export_hf
     log.info("exporting %s to %s", ckpt, exported)
-    export_hf(ckpt, "actor", exported, source, overwrite=True)
+    export_hf(ckpt, "actor", exported, source, overwrite=True, allow_unverified=allow_unverified)
     stamp.write_text(str(ckpt.resolve()))
     return str(exported), label
 
@@ -416,7 +421,7 @@ def run_eval(cfg: EvalConfig, engine=None) -> dict:
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     questions = load_questions(cfg.data, cfg.limit)
-    model, label = resolve_model(cfg.model, cfg.base_model, out)
+    model, label = resolve_model(cfg.model, cfg.base_model, out, cfg.allow_unverified_checkpoint)
     label = cfg.label or label
     tokenizer = engine.tokenizer if engine is not None else AutoTokenizer.from_pretrained(model)
     prompts, retrieved = build_prompts(cfg, questions, tokenizer)
@@ -538,6 +543,9 @@ def add_parser(subparsers) -> None:
                         "(e.g. '<think>'; as the model was trained: actor_rollout_ref.rollout.agent_kwargs.turn_prefix)")
     p.add_argument("--base-model", help="for a checkpoint: the model training started from "
                                         "(default: actor_rollout_ref.model.path of the run's config.yaml)")
+    p.add_argument("--allow-unverified-checkpoint", action="store_true",
+                   help="for a checkpoint without manifest.json (written before checksums existed): export it "
+                        "without checking its files; by default it is refused as corrupt")
     p.add_argument("--label", help="the model's name in the table (default: from --model)")
     p.add_argument("--batch-size", type=int, default=d.batch_size, help="questions per agent run")
     p.add_argument("--schedule", choices=["continuous", "sync", "async"], default=d.schedule,
@@ -576,6 +584,7 @@ def main(args: argparse.Namespace) -> None:
         max_turns=args.max_turns, topk=args.topk, max_response_length=args.max_response_length,
         max_obs_length=args.max_obs_length, template=args.template, protocol=args.protocol,
         turn_prefix=args.turn_prefix, base_model=args.base_model,
+        allow_unverified_checkpoint=args.allow_unverified_checkpoint,
         label=args.label, batch_size=args.batch_size, schedule=args.schedule, engine_core=args.engine_core,
         gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_gib=args.kv_cache_gib,
         enforce_eager=args.enforce_eager, seed=args.seed))
@@ -588,7 +597,8 @@ if __name__ == "__main__":  # `python -m search_r1.evaluate eval …`, as script
     from search_r1.cli import normalize_flags, show_defaults
     show_defaults(parser)
     parsed = parser.parse_args(normalize_flags(sys.argv[1:]))
+    from verl.trainer.checkpoint import CheckpointCorrupt
     try:
         parsed.func(parsed)
-    except (FileNotFoundError, ValueError) as error:  # the message says what to do
+    except (FileNotFoundError, ValueError, CheckpointCorrupt) as error:  # the message says what to do
         sys.exit(f"{parser.prog} {parsed.cmd}: error: {error}")

@@ -269,6 +269,37 @@ def test_eval_from_training_checkpoint(tiny_model_dir, test_parquet, tmp_path):
     assert scores["n"] == 2
 
 
+def test_eval_refuses_a_checkpoint_that_fails_verification(tiny_model_dir, test_parquet, tmp_path, capsys):
+    """The export behind `search-r1 eval` checks the checkpoint first: a changed shard is refused by
+    name, and so is a checkpoint without its manifest unless --allow-unverified-checkpoint."""
+    from transformers import AutoModelForCausalLM
+
+    from search_r1.cli import main
+    from verl.trainer.checkpoint import CheckpointCorrupt, save_checkpoint
+    run = tmp_path / "run"
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    save_checkpoint(run / "checkpoints", 3, {"actor": (model, None, None)}, {"step": 3})
+    ckpt = run / "checkpoints" / "global_step_3"
+    shard = ckpt / "actor" / "model" / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CheckpointCorrupt, match="sha256 checksum") as caught:
+        evaluate.resolve_model(str(run), tiny_model_dir, tmp_path / "eval")
+    assert caught.value.file == str(shard) and not (tmp_path / "eval" / "model").exists()
+    assert main(["eval", "--model", str(run), "--base-model", tiny_model_dir, "--data", test_parquet,
+                 "--out", str(tmp_path / "eval"), "--engine", "hf"]) == 2
+    assert str(shard) in capsys.readouterr().err
+
+    save_checkpoint(run / "checkpoints", 3, {"actor": (model, None, None)}, {"step": 3})  # intact again
+    (ckpt / "manifest.json").unlink()
+    with pytest.raises(CheckpointCorrupt, match="manifest.json is missing"):
+        evaluate.resolve_model(str(run), tiny_model_dir, tmp_path / "eval")
+    with pytest.warns(UserWarning, match="without verification"):
+        path, _ = evaluate.resolve_model(str(run), tiny_model_dir, tmp_path / "eval", allow_unverified=True)
+    assert Path(path, "model.safetensors").is_file()
+
+
 @pytest.mark.e2e  # the script in a process of its own
 def test_evaluate_sh(tiny_model_dir, test_parquet, tmp_path):
     env = {**os.environ, "MODES": "no-search", "OUT": str(tmp_path / "out")}

@@ -383,8 +383,8 @@ class PolicyWorker(ProfiledWorker):
 
     def load(self, root: str, step: int) -> dict:
         from verl.trainer.checkpoint import load_checkpoint
-        state = load_checkpoint(root, step, {"actor": (self.actor.model, self.actor.optimizer,
-                                                       self.actor.scheduler)})
+        state = load_checkpoint(root, step, {"actor": (self.actor.model, self.actor.optimizer, self.actor.scheduler)},
+                                self.cfg.trainer.allow_unverified_checkpoint)
         self.sync_weights()
         return state
 
@@ -441,7 +441,8 @@ class CriticWorker(ProfiledWorker):
     def load(self, root: str, step: int) -> dict:
         from verl.trainer.checkpoint import load_checkpoint
         return load_checkpoint(os.path.join(root, "critic"), step,
-                               {"critic": (self.critic.model, self.critic.optimizer, self.critic.scheduler)})
+                               {"critic": (self.critic.model, self.critic.optimizer, self.critic.scheduler)},
+                               self.cfg.trainer.allow_unverified_checkpoint)
 
     def set_lr_scale(self, scale: float) -> None:
         self.critic.set_lr_scale(scale)

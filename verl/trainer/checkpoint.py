@@ -22,8 +22,12 @@ when resuming at another world size; RNG states are then skipped with a warning.
 
 Faults never pass silently. A shard that changed on disk (a flipped exponent bit loads as a huge
 but finite weight, and DCP does not notice) fails its checksum on load: `CheckpointCorrupt` names the file, and
-the trainer falls back to the previous checkpoint. A state with a nan or inf is refused before
-anything is written. Free space is checked against the last checkpoint's size (or the state's bytes
+the trainer falls back to the previous checkpoint. Every reader checks first: resume, rollback and
+the export (hence evaluation). A checkpoint without a manifest is corrupt as well (a partial copy
+looks like that); only checkpoints written before manifests existed may be read unchecked, and only
+when asked (`allow_unverified`: trainer.allow_unverified_checkpoint, --allow-unverified-checkpoint),
+and a file of theirs that fails to load is then taken for a damaged one. A state with a nan or inf
+is refused before anything is written. Free space is checked against the last checkpoint's size (or the state's bytes
 for the first) before writing, and a save that fails for any reason removes its partial directory.
 Older checkpoints are deleted only once the new one is complete with its manifest, so rotation
 never deletes the newest checkpoint that verified. Checks that one rank could fail alone (a shard of
@@ -31,7 +35,7 @@ nan, a full local disk, a corrupted file) are agreed on by every rank, so that a
 instead of leaving the others waiting in a collective.
 
 Export: `python -m verl.trainer.checkpoint export --checkpoint DIR --model actor
---config-source ORIGINAL_MODEL_DIR --out OUT [--dtype bfloat16]`.
+--config-source ORIGINAL_MODEL_DIR --out OUT [--dtype bfloat16] [--allow-unverified-checkpoint]`.
 """
 
 from __future__ import annotations
@@ -69,6 +73,11 @@ ModelParts = tuple[torch.nn.Module, torch.optim.Optimizer | None, torch.optim.lr
 
 _STEP_DIR = re.compile(r"^global_step_(\d+)$")
 MANIFEST = "manifest.json"
+# Every checkpoint this code writes has a manifest; only those written before manifests existed may
+# lack one, and loading those is the user's explicit choice.
+_UNVERIFIED_HINT = ("a checkpoint written before checksums existed loads unchecked with "
+                    "trainer.allow_unverified_checkpoint=true (--allow-unverified-checkpoint for export "
+                    "and evaluation)")
 # Free space below which a failed write is put down to a full disk even when the error does not say
 # so: torch's zip writer reports ENOSPC as "unexpected pos N vs M".
 _NEARLY_FULL_BYTES = 64 << 20
@@ -200,16 +209,25 @@ def complete_steps(root: str | os.PathLike) -> list[int]:
                   if (m := _STEP_DIR.match(entry)) and os.path.isdir(os.path.join(root, entry)))
 
 
-def verify_checkpoint(ckpt: str | os.PathLike) -> bool:
+def verify_checkpoint(ckpt: str | os.PathLike, allow_unverified: bool = False, under: str | None = None) -> bool:
     """Check every file of the checkpoint directory `ckpt` against the size and sha256 its manifest
     recorded when it was saved; raise CheckpointCorrupt naming the first file that differs or is
-    missing. Returns False, with a warning, for a checkpoint written before manifests existed.
-    With a process group, call on every rank: each checks a share of the files."""
+    missing. `under`: check only the files below this relative folder (e.g. "actor/model", what an
+    export reads). A checkpoint without a manifest is corrupt too (a partial copy looks like that),
+    unless `allow_unverified` (trainer.allow_unverified_checkpoint), meant for checkpoints written
+    before manifests existed: then it returns False with a warning. With a process group, call on
+    every rank: each checks a share of the files."""
     listed, error = None, None
     try:
         listed = _read_manifest(ckpt)
+        if listed is None and not allow_unverified:
+            raise CheckpointCorrupt(str(ckpt), os.path.join(ckpt, MANIFEST), f"is missing (a partial copy, or a "
+                                    f"save cut short); {_UNVERIFIED_HINT}")
         if listed is not None:
-            for rel in sorted(listed)[_rank()::_world_size()]:
+            names = sorted(listed) if under is None else sorted(r for r in listed if Path(under) in Path(r).parents)
+            if not names:
+                raise CheckpointCorrupt(str(ckpt), os.path.join(ckpt, under), f"has no file listed in {MANIFEST}")
+            for rel in names[_rank()::_world_size()]:
                 _check_file(ckpt, rel, listed[rel])
     except CheckpointCorrupt as caught:
         error = caught
@@ -217,33 +235,38 @@ def verify_checkpoint(ckpt: str | os.PathLike) -> bool:
     if failures:
         raise failures[0]
     if listed is None:
-        warnings.warn(f"Checkpoint {ckpt} has no {MANIFEST} (written before checksums were added): loading it "
-                      f"without verification")
+        warnings.warn(f"Checkpoint {ckpt} has no {MANIFEST}: loading it without verification "
+                      f"(trainer.allow_unverified_checkpoint)")
         return False
     return True
 
 
-def load_checkpoint(root: str | os.PathLike, step: int, models: Mapping[str, ModelParts]) -> dict[str, Any]:
+def load_checkpoint(root: str | os.PathLike, step: int, models: Mapping[str, ModelParts],
+                    allow_unverified: bool = False) -> dict[str, Any]:
     """Restore models, optimizers and schedulers in place, and this rank's RNG states; returns the
     trainer state given to `save_checkpoint`. Call on every rank. Optimizers and schedulers may be
     None to load weights only. Every file is checked against the manifest first (`verify_checkpoint`):
-    a corrupted checkpoint raises CheckpointCorrupt before anything is read into the models."""
+    a corrupted checkpoint, or one without a manifest unless `allow_unverified`, raises
+    CheckpointCorrupt before anything is read into the models. In an unverified checkpoint a file
+    that cannot be read raises CheckpointCorrupt too (nothing rules out a damaged file there), so that
+    a resume falls back from it as from a failed checksum."""
     ckpt = checkpoint_dir(root, step)
-    state_file = os.path.join(ckpt, "trainer_state.json")
     if not os.path.isdir(ckpt):
         found = complete_steps(root)
         raise FileNotFoundError(f"No checkpoint at {ckpt}; complete checkpoints under {root}: steps {found}")
-    verified = verify_checkpoint(ckpt)
+    verified = verify_checkpoint(ckpt, allow_unverified)
+    state_file = os.path.join(ckpt, "trainer_state.json")
     if not os.path.isfile(state_file):
-        raise FileNotFoundError(f"Checkpoint {ckpt} has no trainer_state.json: it is incomplete; complete "
-                                f"checkpoints under {root}: steps {complete_steps(root)}")
-    saved = json.loads(Path(state_file).read_text())
+        raise CheckpointCorrupt(ckpt, state_file, f"is missing: the checkpoint is incomplete; complete checkpoints "
+                                                  f"under {root}: steps {complete_steps(root)}")
+    with _reading(ckpt, state_file, verified):
+        saved = json.loads(Path(state_file).read_text())
     saved_world_size, world_size = saved["world_size"], _world_size()
 
     for name, (model, optimizer, scheduler) in models.items():
         if name not in saved["models"]:
             raise ValueError(f"Checkpoint {ckpt} has no model {name!r}; it has {saved['models']}")
-        optim_dir = os.path.join(ckpt, name, "optimizer")
+        model_dir, optim_dir = os.path.join(ckpt, name, "model"), os.path.join(ckpt, name, "optimizer")
         if optimizer is not None and not os.path.isdir(optim_dir):
             raise FileNotFoundError(f"{name!r} was saved without optimizer state ({optim_dir} is missing): "
                                     f"pass None as its optimizer to load the weights only")
@@ -251,35 +274,58 @@ def load_checkpoint(root: str | os.PathLike, step: int, models: Mapping[str, Mod
             with _single_process_quiet():
                 if optimizer is None:
                     model_sd = get_model_state_dict(model)
-                    dcp.load(model_sd, checkpoint_id=os.path.join(ckpt, name, "model"), no_dist=not _distributed())
+                    with _reading(ckpt, model_dir, verified):
+                        dcp.load(model_sd, checkpoint_id=model_dir, no_dist=not _distributed())
                     set_model_state_dict(model, model_sd)
                 else:
                     # The state dicts of the live objects say which shard this rank holds; DCP
                     # fills them in place, reading (and resharding) only what is needed.
                     model_sd, optim_sd = get_state_dict(model, optimizer)
-                    dcp.load(model_sd, checkpoint_id=os.path.join(ckpt, name, "model"), no_dist=not _distributed())
-                    dcp.load(optim_sd, checkpoint_id=optim_dir, no_dist=not _distributed())
+                    with _reading(ckpt, model_dir, verified):
+                        dcp.load(model_sd, checkpoint_id=model_dir, no_dist=not _distributed())
+                    with _reading(ckpt, optim_dir, verified):
+                        dcp.load(optim_sd, checkpoint_id=optim_dir, no_dist=not _distributed())
                     set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+        except CheckpointCorrupt:
+            raise
         # DCP's CheckpointException derives from BaseException, not Exception: name it, or it escapes.
         except (Exception, CheckpointException) as error:
             raise RuntimeError(
                 f"Could not load {name!r} from {ckpt} (saved at world size {saved_world_size}, now {world_size}): "
-                f"{error}. The model (and optimizer) must be built exactly as when saving"
-                f"{'' if verified else f'; {ckpt} has no {MANIFEST}, so a damaged file is also possible'}.") from error
+                f"{error}. The model (and optimizer) must be built exactly as when saving.") from error
         if scheduler is not None:
             sched_file = os.path.join(ckpt, name, "scheduler.pt")
             if not os.path.isfile(sched_file):
                 raise FileNotFoundError(f"{name!r} was saved without a scheduler ({sched_file} is missing)")
-            scheduler.load_state_dict(torch.load(sched_file, weights_only=True))
+            with _reading(ckpt, sched_file, verified):
+                scheduler.load_state_dict(torch.load(sched_file, weights_only=True))
 
     if saved_world_size == world_size:
-        _set_rng_state(torch.load(os.path.join(ckpt, "rng", f"rank_{_rank()}.pt"), weights_only=True))
+        rng_file = os.path.join(ckpt, "rng", f"rank_{_rank()}.pt")
+        with _reading(ckpt, rng_file, verified):
+            _set_rng_state(torch.load(rng_file, weights_only=True))
     else:
         warnings.warn(f"Checkpoint {ckpt} was saved at world size {saved_world_size}, resuming at {world_size}: "
                       f"model and optimizer were resharded, but RNG states were not restored, so sampling "
                       f"and dropout will not repeat the original run exactly.")
     logger.info("Loaded checkpoint %s", ckpt)
     return saved["trainer"]
+
+
+@contextmanager
+def _reading(ckpt: str, path: str, verified: bool) -> Iterator[None]:
+    """Reading `path` of a checkpoint: where it has no manifest (loaded unverified) and the read
+    fails, a damaged file cannot be told from a mismatched model, so the failure is CheckpointCorrupt
+    naming the file. A verified file that fails to load is a mismatch: that error goes on as it is."""
+    try:
+        yield
+    # DCP's CheckpointException derives from BaseException, not Exception: name it, or it escapes.
+    except (Exception, CheckpointException) as error:
+        if verified:
+            raise
+        raise CheckpointCorrupt(ckpt, path, f"could not be loaded ({_last_line(error)}); the checkpoint has no "
+                                            f"{MANIFEST} to check its files against, so a damaged file is "
+                                            f"likely") from error
 
 
 # ---------------------------------------------------------------- the parts of a save
@@ -481,13 +527,16 @@ def export_hf(
     max_shard_bytes: int = 2**31,
     dtype: str | torch.dtype | None = None,
     overwrite: bool = False,
+    allow_unverified: bool = False,
 ) -> str:
     """Write `model_name` of a checkpoint as a Hugging Face model directory, streaming from the DCP
     shards. `checkpoint_dir` is a `global_step_<N>` directory or a checkpoint root (newest step is
     used); `config_source` is the original model directory (config and tokenizer are copied from
     it); `dtype` casts floating-point weights (e.g. "bfloat16"), None keeps them as saved;
     `overwrite` replaces an existing `out_dir` (only once the new export is complete).
-    Single process, no GPU; peak memory is about one shard of `max_shard_bytes`."""
+    The model's files are checked against the checkpoint's manifest first: a corrupted checkpoint,
+    or one without a manifest unless `allow_unverified`, raises CheckpointCorrupt and nothing is
+    written. Single process, no GPU; peak memory is about one shard of `max_shard_bytes`."""
     from safetensors.torch import save_file
     from tqdm import tqdm
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -497,6 +546,7 @@ def export_hf(
     if not os.path.isdir(model_dir):
         names = sorted(p.parent.name for p in Path(ckpt).glob("*/model"))
         raise FileNotFoundError(f"{ckpt} has no model {model_name!r}; it has {names}")
+    verified = _verify_for_export(ckpt, model_name, allow_unverified)
     if not os.path.isfile(os.path.join(config_source, "config.json")):
         raise FileNotFoundError(f"{config_source} has no config.json: --config-source must be the local directory "
                                 f"of the model training started from")
@@ -511,7 +561,8 @@ def export_hf(
         if not isinstance(dtype, torch.dtype):
             raise ValueError(f"Unknown dtype {name!r}: use float32, bfloat16 or float16")
 
-    metadata = dcp.FileSystemReader(model_dir).read_metadata().state_dict_metadata
+    with _reading(ckpt, os.path.join(model_dir, ".metadata"), verified):
+        metadata = dcp.FileSystemReader(model_dir).read_metadata().state_dict_metadata
     saved = {_hf_name(key): (key, meta) for key, meta in metadata.items() if isinstance(meta, TensorStorageMetadata)}
 
     # The names HF writes: those of a model built from the config (on the meta device: no memory),
@@ -556,7 +607,7 @@ def export_hf(
         file_name = "model.safetensors" if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
         # DCP copies each stored chunk into these tensors, casting to their dtype on the way.
         tensors = {name: torch.empty(saved[name][1].size, dtype=out_dtype(name)) for name in shard}
-        with _single_process_quiet():
+        with _single_process_quiet(), _reading(ckpt, model_dir, verified):
             dcp.load({saved[name][0]: tensors[name] for name in shard}, checkpoint_id=model_dir, no_dist=True)
         save_file(tensors, tmp / file_name, metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(shard, file_name))
@@ -586,6 +637,18 @@ def export_hf(
     shutil.rmtree(replaced, ignore_errors=True)
     logger.info("Exported %s of %s to %s (%d shards)", model_name, ckpt, out, len(shards))
     return str(out)
+
+
+def _verify_for_export(ckpt: str, model_name: str, allow_unverified: bool) -> bool:
+    """verify_checkpoint for the files an export reads (the model's, not its optimizer's); a failure
+    says that nothing was written and which other steps there are."""
+    try:
+        return verify_checkpoint(ckpt, allow_unverified, under=os.path.join(model_name, "model"))
+    except CheckpointCorrupt as error:
+        root = os.path.dirname(os.path.abspath(ckpt))
+        others = [s for s in complete_steps(root) if checkpoint_dir(root, s) != os.path.abspath(ckpt)]
+        raise CheckpointCorrupt(error.checkpoint, error.file, f"{error.reason}. Nothing was exported"
+                                + (f"; other checkpoints under {root}: steps {others}" if others else "")) from None
 
 
 # ---------------------------------------------------------------- helpers
@@ -729,12 +792,15 @@ def main(argv: list[str] | None = None) -> None:
                         help="cast floating-point weights (default: keep the saved dtype)")
     export.add_argument("--max-shard-bytes", type=int, default=2**31, help="size limit of one safetensors file")
     export.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
+    export.add_argument("--allow-unverified-checkpoint", action="store_true",
+                        help=f"export a checkpoint that has no {MANIFEST} (written before checksums existed) "
+                             f"without checking its files; by default such a checkpoint is refused as corrupt")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     try:
         export_hf(args.checkpoint, args.model, args.out, args.config_source, args.max_shard_bytes, args.dtype,
-                  args.overwrite)
-    except (FileNotFoundError, FileExistsError, ValueError) as error:  # the message says what to do
+                  args.overwrite, args.allow_unverified_checkpoint)
+    except (FileNotFoundError, FileExistsError, ValueError, CheckpointCorrupt) as error:  # says what to do
         parser.exit(1, f"error: {error}\n")
 
 

@@ -437,6 +437,10 @@ class RunConfig:
                                     "update's result does not depend on the split")
     resume_mode: str = key("auto", "auto: resume from the newest checkpoint in default_local_dir that verifies | "
                                    "disable: start fresh")
+    allow_unverified_checkpoint: bool = key(False, "load a checkpoint that has no manifest.json (written before "
+                                                   "checksums existed) without checking its files, on resume and "
+                                                   "rollback; false: such a checkpoint is corrupt, as a partial "
+                                                   "copy is, and resume falls back to the one before it")
     # An interpolation, resolved by load_config (OmegaConf); a RunConfig built in Python keeps it as text.
     default_local_dir: str = key("checkpoints/${trainer.experiment_name}",
                                  "the run's directory: checkpoints, metrics.jsonl, samples, hf_actor, config.yaml; "

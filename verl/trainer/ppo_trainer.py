@@ -328,22 +328,18 @@ class PPOTrainer:
                       overwrite=True)
 
     def resume(self):
-        """Load the newest checkpoint that verifies: one whose files fail their checksums is skipped
-        with a warning naming the file, and the one before it is tried."""
-        from verl.trainer.checkpoint import CheckpointCorrupt, complete_steps, resume_steps
+        """Load the newest checkpoint that verifies: one whose files fail their checksums, lack a
+        manifest (unless trainer.allow_unverified_checkpoint) or cannot be read is skipped with a
+        warning naming the file, and the one before it is tried. The logs then drop the rows of the
+        steps after it, which are trained again."""
+        from verl.trainer.checkpoint import CheckpointCorrupt
         if self.cfg.trainer.resume_mode != "auto":
             return
         root = os.path.join(self.out_dir, "checkpoints")
-        steps = resume_steps(root)
-        if self.critic is not None:  # the critic saves first: a step without the actor's half is incomplete
-            critic_steps = set(complete_steps(os.path.join(root, "critic")))
-            steps = [s for s in steps if s in critic_steps]
         failed = []
-        for step in steps:
+        for step in self.resume_candidates(root):
             try:
-                state = self.policy.get([w.load.remote(root, step) for w in self.policy.workers], "resume")[0]
-                if self.critic is not None:
-                    self.critic.get([w.load.remote(root, step) for w in self.critic.workers], "resume")
+                state = self.load_step(root, step, "resume", at=None)
             except CheckpointCorrupt as error:
                 error = getattr(error, "cause", error)  # what the worker raised, without Ray's wrapping
                 failed.append(str(error))
@@ -351,18 +347,56 @@ class PPOTrainer:
                 continue
             self.step = state["step"]
             self.sampler.restore(state["sampler"])
-            self.trim_data_order()
             self.kl_ctrl.value = state.get("kl_coef", self.kl_ctrl.value)
             if "health" in state:
                 self.health.restore(state["health"])
                 self.lr_scale = state["lr_scale"]
             log.info("resumed from step %d (%s)", step, root)
-            return
-        if failed:
-            raise RuntimeError(
-                f"No checkpoint under {root} verifies: {'; '.join(failed)}. To start fresh, set "
-                f"trainer.resume_mode=disable (the checkpoints are left as they are) or a new "
-                f"trainer.default_local_dir.")
+            break
+        else:
+            if failed:
+                raise RuntimeError(
+                    f"No checkpoint under {root} verifies: {'; '.join(failed)}. To start fresh, set "
+                    f"trainer.resume_mode=disable (the checkpoints are left as they are) or a new "
+                    f"trainer.default_local_dir.")
+        # Also with no checkpoint at all: the steps a crashed run logged before its first save are redone.
+        self.trim_data_order()
+        self.tracker.rewind(self.step)
+
+    def resume_candidates(self, root: str) -> list[int]:
+        """Steps under `root` to resume from, newest first; with a critic, only steps it saved too
+        (it saves first: a step without the actor's half is incomplete)."""
+        from verl.trainer.checkpoint import complete_steps, resume_steps
+        steps = resume_steps(root)
+        if self.critic is not None:
+            critic_steps = set(complete_steps(os.path.join(root, "critic")))
+            steps = [s for s in steps if s in critic_steps]
+        return steps
+
+    def load_step(self, root: str, step: int, what: str, at: int | None) -> dict:
+        """Load checkpoint `step` into every worker (the policy's, then the critic's), for `what`
+        (resume, rollback) at training step `at`; the trainer state saved with it. Raises
+        CheckpointCorrupt where a file fails verification."""
+        state = self.policy.get([w.load.remote(root, step) for w in self.policy.workers], what, at)[0]
+        if self.critic is not None:
+            self.critic.get([w.load.remote(root, step) for w in self.critic.workers], what, at)
+        return state
+
+    def newest_intact_step(self, root: str) -> tuple[int | None, list[str]]:
+        """The newest checkpoint under `root` whose files verify (both halves with a critic), checked
+        here on the driver without loading it; and why each newer one failed."""
+        from verl.trainer.checkpoint import CheckpointCorrupt, checkpoint_dir, verify_checkpoint
+        allow, failed = self.cfg.trainer.allow_unverified_checkpoint, []
+        for step in self.resume_candidates(root):
+            try:
+                verify_checkpoint(checkpoint_dir(root, step), allow)
+                if self.critic is not None:
+                    verify_checkpoint(checkpoint_dir(os.path.join(root, "critic"), step), allow)
+            except CheckpointCorrupt as error:
+                failed.append(str(error))
+                continue
+            return step, failed
+        return None, failed
 
     def trim_data_order(self) -> None:
         """Drop the data_order.jsonl lines of steps after the one resumed from: those steps are
@@ -383,12 +417,17 @@ class PPOTrainer:
         if not bad:
             return
         self.tracker.log(metrics, step=self.step)  # the bad values show next to the steps before them
-        from verl.trainer.checkpoint import latest_step
         root = os.path.join(self.out_dir, "checkpoints")
-        newest = latest_step(root)
-        where = (f"The newest checkpoint is step {newest} in {root}: rerun to resume from it (trainer.resume_mode="
-                 f"auto) once the cause is fixed, e.g. with a lower actor_rollout_ref.actor.optim.lr."
-                 if newest is not None else "No checkpoint was saved before it.")
+        newest, failed = self.newest_intact_step(root)
+        skipped = f" (newer ones fail verification: {'; '.join(failed)})" if failed else ""
+        if newest is not None:
+            where = (f"The newest checkpoint that verifies is step {newest} in {root}{skipped}: rerun to resume "
+                     f"from it (trainer.resume_mode=auto) once the cause is fixed, e.g. with a lower "
+                     f"actor_rollout_ref.actor.optim.lr.")
+        elif failed:
+            where = f"No checkpoint under {root} verifies{skipped}: a rerun would start fresh."
+        else:
+            where = "No checkpoint was saved before it."
         raise RuntimeError(f"step {self.step}: {', '.join(f'{k}={metrics[k]}' for k in bad)}: not finite, so the "
                            f"run stops here without validating or saving this state. {where}")
 
@@ -400,8 +439,8 @@ class PPOTrainer:
         if h.action == "warn":
             log.warning("%s. Training goes on (trainer.health.action=warn)", what)
             return False
-        from verl.trainer.checkpoint import complete_steps
         root = os.path.join(self.out_dir, "checkpoints")
+        failed = []
         if h.action == "stop":
             reason = ("The run stops here (trainer.health.action=stop) without saving this step; rerun to resume "
                       "from the last checkpoint, e.g. with a lower actor_rollout_ref.actor.optim.lr, or set "
@@ -409,17 +448,16 @@ class PPOTrainer:
         elif self.health.rollbacks >= h.max_rollbacks:
             reason = (f"The run stops: it has rolled back {self.health.rollbacks} times already "
                       f"(trainer.health.max_rollbacks={h.max_rollbacks})")
-        elif (target := self.health.rollback_target(complete_steps(root), signs)) is None:
-            reason = (f"No checkpoint saved while healthy is left under {root} to roll back to: save more often "
-                      "(trainer.save_freq) or keep more (trainer.keep_last_checkpoints)")
+        elif (target := self.roll_back(root, signs, failed)) is None:
+            skipped = f" ({'; '.join(failed)})" if failed else ""
+            reason = (f"No checkpoint saved while healthy that verifies is left under {root} to roll back "
+                      f"to{skipped}: save more often (trainer.save_freq) or keep more "
+                      "(trainer.keep_last_checkpoints)")
         else:
             reason = None
         if reason:
             self.tracker.log(metrics, step=self.step)  # the signs show next to the steps before them
             raise Unhealthy(f"{what}. {reason}.")
-        self.policy.get([w.load.remote(root, target) for w in self.policy.workers], "rollback", self.step)
-        if self.critic is not None:
-            self.critic.get([w.load.remote(root, target) for w in self.critic.workers], "rollback", self.step)
         self.health.rolled_back(target)
         self.lr_scale *= h.lr_factor
         for group in (self.policy, self.critic):
@@ -429,6 +467,23 @@ class PPOTrainer:
                     "and fresh sampling seeds (rollback %d of at most %d; trainer.health.action=rollback)",
                     what, target, self.lr_scale, self.health.rollbacks, h.max_rollbacks)
         return True
+
+    def roll_back(self, root: str, signs: list[str], failed: list[str]) -> int | None:
+        """Load the checkpoint the health watch picks to go back to; where it fails verification, the
+        one it picks among those left, and so on. The step loaded, or None; `failed` gets why each
+        checkpoint tried was refused."""
+        from verl.trainer.checkpoint import CheckpointCorrupt, complete_steps
+        kept = complete_steps(root)
+        while (target := self.health.rollback_target(kept, signs)) is not None:
+            try:
+                self.load_step(root, target, "rollback", at=self.step)
+                return target
+            except CheckpointCorrupt as error:
+                error = getattr(error, "cause", error)  # what the worker raised, without Ray's wrapping
+                failed.append(str(error))
+                log.warning("%s; rolling back to an earlier checkpoint instead", error)
+                kept.remove(target)
+        return None
 
     def profile(self, action: str) -> None:
         """Start or stop every worker's profiler around the step being run (trainer.profile_steps).
@@ -485,12 +540,14 @@ class PPOTrainer:
                     metrics |= self.validate()
                 signs = self.health.check(self.step, metrics)
                 metrics["health/alarms"] = float(len(signs))
-                if signs and self.respond(signs, metrics):
+                rolled_back = bool(signs) and self.respond(signs, metrics)
+                if rolled_back:
                     metrics["health/rollbacks"] = float(self.health.rollbacks)
-                elif run.save_freq > 0 and (self.step % run.save_freq == 0 or last):
+                # Before the save: a save that fails (a full disk) stops the run, and the step's row is kept.
+                self.tracker.log(metrics, step=self.step)
+                if not rolled_back and run.save_freq > 0 and (self.step % run.save_freq == 0 or last):
                     self.save()
                     self.health.saved(self.step, healthy=not signs)
-                self.tracker.log(metrics, step=self.step)
                 bar.update(1)
                 bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}")
                 if last and self.step < self.total_steps:

@@ -35,6 +35,38 @@ class Tracker:
         if self.wandb is not None:
             self.wandb.log(metrics, step=step)
 
+    def rewind(self, step: int) -> None:
+        """Drop the rows of steps after `step` from metrics.jsonl: a run resumed from the checkpoint of
+        `step` trains those steps again, and each step is to be listed once. The file is rewritten
+        whole into a new one that then replaces it, so a crash meanwhile leaves the old or the new
+        file, never a part. A row cut off by an earlier crash is dropped too (it says so)."""
+        if not os.path.exists(self.jsonl_path):
+            return
+        kept, later, broken = [], 0, 0
+        with open(self.jsonl_path) as f:
+            for line in f:
+                if not line.strip():
+                    continue
+                try:
+                    row_step = json.loads(line)["step"]
+                except (ValueError, KeyError, TypeError):
+                    broken += 1
+                    continue
+                if row_step <= step:
+                    kept.append(line if line.endswith("\n") else line + "\n")
+                else:
+                    later += 1
+        if not later and not broken:
+            return
+        tmp = self.jsonl_path + ".tmp"
+        with open(tmp, "w") as f:
+            f.writelines(kept)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.jsonl_path)
+        log.warning("%s: dropped %d row(s) of steps after step %d, which this run trains again%s", self.jsonl_path,
+                    later, step, f", and {broken} unreadable row(s) (cut off by a crash)" if broken else "")
+
     def finish(self):
         if self.wandb is not None:
             self.wandb.finish()

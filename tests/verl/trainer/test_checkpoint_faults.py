@@ -15,6 +15,7 @@ import os
 import shutil
 import struct
 import traceback
+import warnings
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -31,6 +32,7 @@ from verl.trainer.checkpoint import latest_step, load_checkpoint, save_checkpoin
 from verl.trainer.config import TrainerConfig
 from verl.trainer.ppo_trainer import PPOTrainer
 from verl.utils.dataset import Example, PromptSampler
+from verl.utils.tracking import Tracker
 
 # A weight whose bytes the tests look for in the shard: flipping the top bit of its exponent turns
 # 0.99 into 3.4e38, finite, so nothing downstream notices (the probe's bit flip).
@@ -106,17 +108,53 @@ def test_a_flipped_bit_is_refused_on_load_naming_the_file(tmp_path):
     assert torch.equal(fresh[0].weight, before)  # checked before anything is read into the model
 
 
+def _truncate(shard: Path) -> Path:
+    shard.write_bytes(shard.read_bytes()[:len(shard.read_bytes()) // 2])
+    return shard
+
+
 def test_dcp_errors_come_out_as_could_not_load(tmp_path):
     # Why `except Exception` never saw DCP's failures: its exception is a BaseException.
     assert not issubclass(CheckpointException, Exception)
     save_checkpoint(tmp_path, 1, {"actor": _trained()}, {})
+    # A verified checkpoint that does not fit the model built now: a mismatch, not a damaged file.
+    with pytest.raises(RuntimeError, match=r"(?s)Could not load 'actor'.*built exactly as when saving") as caught:
+        load_checkpoint(tmp_path, 1, {"actor": (torch.nn.Linear(4, 3), None, None)})
+    assert not isinstance(caught.value, checkpoint.CheckpointCorrupt)
+
+
+def test_a_checkpoint_without_manifest_is_refused_unless_asked(tmp_path):
+    # A partial copy has no manifest: 152 doubled weights trained on with a warning only.
+    save_checkpoint(tmp_path, 1, {"actor": _trained()}, {"n": 1})
     ckpt = tmp_path / "global_step_1"
-    (ckpt / "manifest.json").unlink(missing_ok=True)  # as written before checksums existed: nothing to verify against
-    shard = next((ckpt / "actor" / "model").glob("*.distcp"))
-    shard.write_bytes(shard.read_bytes()[:len(shard.read_bytes()) // 2])
-    with pytest.warns(UserWarning, match="without verification"), \
-            pytest.raises(RuntimeError, match="Could not load 'actor'"):
+    (ckpt / "manifest.json").unlink()
+    fresh = _build(seed=1)
+    before = fresh[0].weight.detach().clone()
+    with pytest.raises(checkpoint.CheckpointCorrupt, match=r"manifest.json is missing.*"
+                                                           r"trainer.allow_unverified_checkpoint=true") as caught:
+        load_checkpoint(tmp_path, 1, {"actor": fresh})
+    assert caught.value.file == str(ckpt / "manifest.json")
+    assert torch.equal(fresh[0].weight, before)
+    # A checkpoint from before manifests, by explicit choice: loaded, with a warning.
+    with pytest.warns(UserWarning, match="without verification"):
+        assert load_checkpoint(tmp_path, 1, {"actor": fresh}, allow_unverified=True) == {"n": 1}
+    assert float(fresh[0].weight[0, 0].detach()) == pytest.approx(MARK)
+
+
+def test_a_truncated_shard_is_corrupt_whether_verification_or_loading_finds_it(tmp_path):
+    save_checkpoint(tmp_path, 1, {"actor": _trained()}, {})
+    ckpt = tmp_path / "global_step_1"
+    shard = _truncate(next((ckpt / "actor" / "model").glob("*.distcp")))
+    with pytest.raises(checkpoint.CheckpointCorrupt, match=r"bytes where manifest.json recorded .* partial") as caught:
         load_checkpoint(tmp_path, 1, {"actor": _build(seed=1)})
+    assert caught.value.file == str(shard)
+    # Without a manifest (allowed), DCP's read fails instead: a damaged file is as likely as a
+    # mismatched model, so it is CheckpointCorrupt too, naming what was being read.
+    (ckpt / "manifest.json").unlink()
+    with pytest.warns(UserWarning, match="without verification"), \
+            pytest.raises(checkpoint.CheckpointCorrupt, match="could not be loaded.*damaged file") as caught:
+        load_checkpoint(tmp_path, 1, {"actor": _build(seed=1)}, allow_unverified=True)
+    assert caught.value.file == str(ckpt / "actor" / "model")
 
 
 # ---------------------------------------------------------------- non-finite state (finding 6)
@@ -193,8 +231,8 @@ class _Group:
     PolicyWorker/CriticWorker save and load); what it raises comes back wrapped the way Ray wraps a
     worker's exception."""
 
-    def __init__(self, name: str, parts, subdir: str = ""):
-        self.name, self.parts, self.subdir = name, parts, subdir
+    def __init__(self, name: str, parts, subdir: str = "", allow_unverified: bool = False):
+        self.name, self.parts, self.subdir, self.allow_unverified = name, parts, subdir, allow_unverified
         self.workers = [SimpleNamespace(save=SimpleNamespace(remote=self._save),
                                         load=SimpleNamespace(remote=self._load))]
 
@@ -206,7 +244,8 @@ class _Group:
                              trainer_state, keep_last)
 
     def _load(self, root, step):
-        return self._wrapped("load", load_checkpoint, os.path.join(root, self.subdir), step, {self.name: self.parts})
+        return self._wrapped("load", load_checkpoint, os.path.join(root, self.subdir), step, {self.name: self.parts},
+                             self.allow_unverified)  # as the workers pass trainer.allow_unverified_checkpoint
 
     def _wrapped(self, method, fn, *args):
         try:
@@ -214,17 +253,6 @@ class _Group:
         except Exception as error:
             raise RayTaskError(f"{self.name}.{method}", traceback.format_exc(), error, proctitle="worker",
                                pid=1, ip="127.0.0.1").as_instanceof_cause() from None
-
-
-class _Tracker:
-    def __init__(self):
-        self.logged = []
-
-    def log(self, metrics, step):
-        self.logged.append((step, metrics))
-
-    def finish(self):
-        pass
 
 
 def _trainer(out_dir: Path, policy, critic=None, total_steps: int = 3) -> PPOTrainer:
@@ -235,7 +263,25 @@ def _trainer(out_dir: Path, policy, critic=None, total_steps: int = 3) -> PPOTra
     run.export_hf_on_save, run.keep_last_checkpoints = False, 2
     sampler = PromptSampler([Example([1, 2], "demo", "a", i) for i in range(8)], batch_size=2, shuffle=False,
                             seed=0)
-    return PPOTrainer(cfg, None, policy, critic, sampler, None, _Tracker(), total_steps, "cpu")
+    tracker = Tracker(["jsonl"], str(out_dir), "test", "run", {})
+    return PPOTrainer(cfg, None, policy, critic, sampler, None, tracker, total_steps, "cpu")
+
+
+def _logged_steps(out_dir: Path) -> list[int]:
+    return [json.loads(line)["step"] for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+GOOD = {"reward/mean": 0.5, "pg_loss": 0.1, "grad_norm": 1.0}
+
+
+def _run(trainer: PPOTrainer, monkeypatch, steps=None) -> PPOTrainer:
+    """trainer.fit() with each step's metrics from `steps` (callables of the step number give them
+    too, for something to happen between two steps); GOOD by default."""
+    rows = iter(steps or [])
+    monkeypatch.setattr(trainer, "train_step", lambda examples: dict(
+        row(trainer.step + 1) if callable(row := next(rows, GOOD)) else row))
+    trainer.fit()
+    return trainer
 
 
 def _two_saves(out_dir: Path, critic: bool = False):
@@ -290,10 +336,133 @@ def test_a_non_finite_step_stops_the_run_before_saving(tmp_path, monkeypatch, ba
     steps = iter([good, good | bad, good, good])
     monkeypatch.setattr(trainer, "train_step", lambda examples: dict(next(steps)))
     (name, value), = bad.items()
-    with pytest.raises(RuntimeError, match=rf"step 2: {name}={value}"):
+    with pytest.raises(RuntimeError, match=rf"step 2: {name}={value}.*newest checkpoint that verifies is step 1"):
         trainer.fit()
     assert checkpoint.complete_steps(tmp_path / "checkpoints") == [1]
-    assert [step for step, _ in trainer.tracker.logged] == [1, 2]  # the bad step's metrics are in the logs
+    assert _logged_steps(tmp_path) == [1, 2]  # the bad step's metrics are in the logs
+
+
+def test_a_non_finite_stop_points_at_the_newest_checkpoint_that_verifies(tmp_path, monkeypatch):
+    def corrupted_then_nan(step):  # step 2's checkpoint changes on disk while step 3 runs
+        _flip_exponent_bit(tmp_path / "checkpoints" / "global_step_2")
+        return GOOD | {"pg_loss": float("nan")}
+
+    trainer = _trainer(tmp_path, _Group("actor", _trained()), total_steps=4)
+    with pytest.raises(RuntimeError, match=r"(?s)step 3: pg_loss=nan.*The newest checkpoint that verifies is step 1 "
+                                           r".*newer ones fail verification: .*global_step_2.*checksum"):
+        _run(trainer, monkeypatch, [GOOD, GOOD, corrupted_then_nan])
+
+    def nothing_verifies(step):
+        for ckpt in (tmp_path / "again" / "checkpoints").glob("global_step_*"):
+            (ckpt / "manifest.json").unlink()
+        return GOOD | {"grad_norm": float("inf")}
+
+    trainer = _trainer(tmp_path / "again", _Group("actor", _trained()), total_steps=4)
+    with pytest.raises(RuntimeError, match=r"(?s)step 3: grad_norm=inf.*No checkpoint under .* verifies "
+                                           r".*manifest.json is missing"):
+        _run(trainer, monkeypatch, [GOOD, GOOD, nothing_verifies])
+
+
+# ---------------------------------------------------------------- missing manifests, truncated shards
+
+@pytest.mark.parametrize("damage", ["manifest removed", "shard truncated", "shard truncated, unverified allowed"])
+def test_resume_falls_back_from_a_partial_checkpoint(tmp_path, caplog, damage):
+    _two_saves(tmp_path)
+    ckpt = tmp_path / "checkpoints" / "global_step_2"
+    shard = next((ckpt / "actor" / "model").glob("*.distcp"))
+    if damage == "manifest removed":
+        (ckpt / "manifest.json").unlink()
+        named = ckpt / "manifest.json"
+    else:
+        _truncate(shard)
+        named = shard
+    allow = damage.endswith("allowed")
+    if allow:  # a checkpoint from before manifests: the truncation shows only when DCP reads it
+        for step in (1, 2):
+            (tmp_path / "checkpoints" / f"global_step_{step}" / "manifest.json").unlink()
+        named = ckpt / "actor" / "model"
+    policy = _Group("actor", _build(seed=1), allow_unverified=allow)
+    trainer = _trainer(tmp_path, policy)
+    trainer.cfg.trainer.allow_unverified_checkpoint = allow
+    with caplog.at_level(logging.WARNING, logger="verl.trainer.ppo_trainer"), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*without verification")
+        trainer.resume()
+    assert trainer.step == 1 and trainer.sampler.state() == {"epoch": 0, "position": 1}
+    assert float(policy.parts[0].weight[0, 0].detach()) == pytest.approx(MARK)
+    assert f"{named} " in caplog.text and "trying the checkpoint before it" in caplog.text
+
+
+# ---------------------------------------------------------------- every reader verifies: the export
+
+@pytest.fixture
+def saved_model(tiny_model_dir, tmp_path):
+    """A checkpoint of the tiny Llama as the trainer saves its actor (weights only here)."""
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    save_checkpoint(tmp_path / "ckpts", 3, {"actor": (model, None, None)}, {"step": 3})
+    return tmp_path / "ckpts" / "global_step_3"
+
+
+def _export(ckpt: Path, source: str, out: Path, *flags: str) -> None:
+    checkpoint.main(["export", "--checkpoint", str(ckpt), "--config-source", source, "--out", str(out), *flags])
+
+
+def test_the_export_refuses_a_corrupted_checkpoint_naming_the_file(saved_model, tiny_model_dir, tmp_path, capsys):
+    shard = saved_model / "actor" / "model" / "__0_0.distcp"
+    with open(shard, "r+b") as f:  # the probe: 4 KiB overwritten inside the shard, its size unchanged
+        f.seek(len(shard.read_bytes()) // 2)
+        f.write(b"\x7f" * 4096)
+    with pytest.raises(SystemExit) as exited:
+        _export(saved_model, tiny_model_dir, tmp_path / "hf")
+    assert exited.value.code == 1
+    err = capsys.readouterr().err
+    assert str(shard) in err and "sha256 checksum" in err and "Nothing was exported" in err
+    assert not (tmp_path / "hf").exists() and not (tmp_path / "hf.tmp").exists()
+
+
+def test_the_export_of_a_checkpoint_without_manifest_needs_the_flag(saved_model, tiny_model_dir, tmp_path, capsys):
+    (saved_model / "manifest.json").unlink()
+    with pytest.raises(SystemExit) as exited:
+        _export(saved_model, tiny_model_dir, tmp_path / "hf")
+    assert exited.value.code == 1
+    err = capsys.readouterr().err
+    assert f"{saved_model / 'manifest.json'} is missing" in err and "--allow-unverified-checkpoint" in err
+    assert not (tmp_path / "hf").exists()
+    with pytest.warns(UserWarning, match="without verification"):
+        _export(saved_model, tiny_model_dir, tmp_path / "hf", "--allow-unverified-checkpoint")
+    assert (tmp_path / "hf" / "model.safetensors").is_file()
+
+
+# ---------------------------------------------------------------- the run's logs after a fallback, a failed save
+
+def test_resume_drops_the_metrics_rows_of_the_steps_it_trains_again(tmp_path, monkeypatch, caplog):
+    _run(_trainer(tmp_path, _Group("actor", _trained())), monkeypatch)
+    assert _logged_steps(tmp_path) == [1, 2, 3]
+    _flip_exponent_bit(tmp_path / "checkpoints" / "global_step_3")  # resume falls back to step 2
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 4, "reward/me')  # and a row cut off by the crash
+    with caplog.at_level(logging.WARNING):
+        trainer = _run(_trainer(tmp_path, _Group("actor", _build(seed=1)), total_steps=4), monkeypatch)
+    assert trainer.step == 4
+    assert _logged_steps(tmp_path) == [1, 2, 3, 4]  # not 1, 2, 3, 3, 4
+    assert "dropped 1 row(s) of steps after step 2" in caplog.text and "1 unreadable row(s)" in caplog.text
+    data_order = [json.loads(line)["step"] for line in (tmp_path / "data_order.jsonl").read_text().splitlines()]
+    assert data_order == [1, 2, 3, 4]
+
+
+def test_a_step_whose_save_fails_keeps_its_metrics_row(tmp_path, monkeypatch):
+    trainer = _trainer(tmp_path, _Group("actor", _trained()))
+    full = {"now": False}
+
+    def disk_full_from_step_2(step):
+        full["now"] = True
+        return GOOD
+
+    monkeypatch.setattr(shutil, "disk_usage", _disk_with_free(lambda: 0 if full["now"] else 10**12))
+    with pytest.raises(RayTaskError, match="no space left on"):
+        _run(trainer, monkeypatch, [GOOD, disk_full_from_step_2])
+    assert checkpoint.complete_steps(tmp_path / "checkpoints") == [1]
+    assert _logged_steps(tmp_path) == [1, 2]
 
 
 # ---------------------------------------------------------------- every rank agrees (2 ranks, gloo)

@@ -177,6 +177,9 @@ class _Tracker:
     def log(self, metrics, step):
         self.logged.append((step, dict(metrics)))
 
+    def rewind(self, step):  # Tracker.rewind, on a resume
+        self.logged = [(s, m) for s, m in self.logged if s <= step]
+
     def finish(self):
         pass
 
@@ -220,6 +223,24 @@ def test_a_rollback_also_takes_non_finite_steps(tmp_path):
     trainer = _trainer(tmp_path, [CALM] * 2 + [{"pg_loss": float("nan")}] + [CALM] * 2, action="rollback")
     trainer.fit()
     assert trainer.policy.loaded == [2] and trainer.health.rollbacks == 1
+
+
+def test_a_rollback_skips_a_checkpoint_that_fails_verification(tmp_path, caplog):
+    trainer = _trainer(tmp_path, [CALM] * 5 + [SPIKE] + [CALM] * 2, action="rollback", lr_factor=0.1)
+    trainer.cfg.trainer.save_freq = 1
+    rows = iter([CALM] * 5 + [SPIKE] + [CALM] * 2)
+
+    def step(examples):
+        if trainer.step + 1 == 6:  # the newest healthy checkpoint lost its manifest (a partial copy)
+            (tmp_path / "checkpoints" / "global_step_5" / "manifest.json").unlink()
+        return {"reward/mean": 0.5, "pg_loss": 0.1, "grad_norm": 1.0} | next(rows)
+
+    trainer.train_step = step
+    with caplog.at_level(logging.WARNING, logger="verl.trainer.ppo_trainer"):
+        trainer.fit()
+    assert trainer.policy.loaded == [5, 4] and trainer.health.rollbacks == 1
+    assert "global_step_5/manifest.json is missing" in caplog.text
+    assert "Rolled back to the checkpoint of step 4" in caplog.text
 
 
 def test_rollbacks_run_out(tmp_path):
