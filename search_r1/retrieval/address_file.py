@@ -17,7 +17,6 @@ interface that leads off the machine, since clients on other nodes read the file
 """
 from __future__ import annotations
 
-import contextlib
 import ipaddress
 import logging
 import os
@@ -28,6 +27,7 @@ import time
 from pathlib import Path
 
 import httpx
+import uvicorn
 
 log = logging.getLogger(__name__)
 
@@ -98,70 +98,72 @@ def write_address_file(directory: str | os.PathLike, host: str, port: int) -> Pa
     return path
 
 
-class AddressAnnouncer:
-    """Writes the address file once the uvicorn `server` answers /health, removes it at exit.
+class AnnouncingServer(uvicorn.Server):
+    """A uvicorn server that writes the address file once it answers /health and removes it when it
+    begins to shut down (before it stops answering; uvicorn ends the process on SIGTERM right after
+    its shutdown, so nothing after `run()` would run).
 
-    A thread waits for uvicorn to listen (`server.started`: the lifespan, which warms the retriever
-    up, has run), takes the port it bound (`--port 0` binds any), and polls /health until it answers
-    200: the worker threads run and the retriever reports no problem."""
+    Once uvicorn listens (the lifespan, which warms the retriever up, has run), a thread takes the
+    port bound (`--port 0` binds any) and polls /health until it answers 200: the worker threads run
+    and the retriever reports no problem."""
 
-    def __init__(self, server, directory: str | os.PathLike, host: str):
-        self.server, self.directory, self.host = server, Path(directory), host
-        self.path: Path | None = None
+    def __init__(self, config: uvicorn.Config, directory: str | os.PathLike, host: str):
+        super().__init__(config)
+        self.directory, self.host = Path(directory), host
+        self.address_path: Path | None = None
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="address-file", daemon=True)
+        self._lock = threading.Lock()  # writing and removing the file never interleave
 
-    def __enter__(self) -> "AddressAnnouncer":
-        self._thread.start()
-        return self
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        if self.started:
+            port = self.servers[0].sockets[0].getsockname()[1]
+            threading.Thread(target=self._announce, args=(port,), name="address-file", daemon=True).start()
 
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
-        self.remove()
+    async def shutdown(self, sockets=None) -> None:
+        self.withdraw()  # clients stop picking this server before it stops answering
+        await super().shutdown(sockets)
 
-    def _run(self) -> None:
-        while not self.server.started:
-            if self._stop.wait(POLL_S) or self.server.should_exit:
-                return
-        port = self.server.servers[0].sockets[0].getsockname()[1]
+    def _announce(self, port: int) -> None:
         local = "127.0.0.1" if self.host in ("0.0.0.0", "") else "::1" if self.host == "::" else self.host
         url = f"http://{address(local, port)}/health"
-        waited, warned = time.monotonic(), False
+        started, warned = time.monotonic(), False
         # trust_env=False: a proxy from the environment must not stand between us and ourselves.
         with httpx.Client(timeout=5, trust_env=False) as client:
-            while not (self._stop.is_set() or self.server.should_exit):
+            while not self._stop.is_set():
                 try:
                     if client.get(url).status_code == 200:
                         break
                 except httpx.HTTPError:
                     pass
-                if not warned and time.monotonic() - waited > WARN_AFTER_S:
+                if not warned and time.monotonic() - started > WARN_AFTER_S:
                     log.warning("%s has not answered 200 for %.0f s; the address file is written once it "
                                 "does (see /health for the problem)", url, WARN_AFTER_S)
                     warned = True
                 self._stop.wait(POLL_S)
-            else:
-                return
         host = client_host(self.host)
-        try:
-            self.path = write_address_file(self.directory, host, port)
-        except OSError as e:
-            # Clients will not find the server: stop it, with the cause, rather than serve unseen.
-            log.error("could not write the address file in %s (%s); stopping the server", self.directory, e)
-            self.server.should_exit = True
-            return
-        log.info("address %s written to %s", address(host, port), self.path)
+        with self._lock:
+            if self._stop.is_set():
+                return
+            try:
+                self.address_path = write_address_file(self.directory, host, port)
+            except OSError as e:
+                # Clients would never find this server: stop it, with the cause, rather than serve unseen.
+                log.error("could not write the address file in %s (%s); stopping the server", self.directory, e)
+                self.should_exit = True
+                return
+        log.info("address %s written to %s", address(host, port), self.address_path)
 
-    def remove(self) -> None:
-        if self.path is not None:
-            with contextlib.suppress(FileNotFoundError):
-                self.path.unlink()
-            log.info("address file %s removed", self.path)
-            self.path = None
+    def withdraw(self) -> None:
+        """Stop announcing and remove the address file, if written."""
+        with self._lock:
+            self._stop.set()
+            if self.address_path is not None:
+                self.address_path.unlink(missing_ok=True)
+                log.info("address file %s removed", self.address_path)
+                self.address_path = None
 
 
-def announced(server, directory: str | os.PathLike | None, host: str):
-    """Context for `server.run()`: with a directory, the address file is written once the server is
-    healthy and removed at exit; without, nothing happens."""
-    return AddressAnnouncer(server, directory, host) if directory else contextlib.nullcontext()
+def make_server(config: uvicorn.Config, save_address_to: str | os.PathLike | None, host: str) -> uvicorn.Server:
+    """uvicorn's server, announcing itself in `save_address_to` where given."""
+    return AnnouncingServer(config, save_address_to, host) if save_address_to else uvicorn.Server(config)

@@ -221,10 +221,11 @@ def _read_credentials(engine: WebEngine, given: dict[str, str]) -> dict[str, str
     missing = [n for n in names if not found[n]]
     if missing:
         flags = [f"{KEY_FLAGS[n]} for {n}" for n in missing if n in KEY_FLAGS]
-        raise RuntimeError(f"web search engine {engine!r} needs the environment variable"
-                           f"{'s' if len(missing) > 1 else ''} {' and '.join(missing)}; "
-                           "export it before starting the retrieval server"
-                           + (f" (or give `search-r1 serve` {', '.join(flags)})" if flags else ""))
+        # ValueError: a start-up problem the user fixes, which `search-r1 serve` reports in one line
+        raise ValueError(f"web search engine '{engine}' needs the environment variable"
+                         f"{'s' if len(missing) > 1 else ''} {' and '.join(missing)}; "
+                         "export it before starting the retrieval server"
+                         + (f" (or give `search-r1 serve` {', '.join(flags)})" if flags else ""))
     return found
 
 
