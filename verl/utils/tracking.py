@@ -137,12 +137,16 @@ def mlflow_tracking_uri() -> str:
     return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{Path('mlflow.db').resolve()}"
 
 
-# MLflow takes letters, digits, and _ - . space / in metric and parameter names.
+# MLflow takes letters, digits, and _ - . space / in metric and parameter names (: too on some
+# systems), of at most 250 characters, and refuses one that is not a normalized path ("a//b", "/a",
+# "a/./b", "../a"): any of these would fail the whole batch, and with it the step.
 _MLFLOW_UNSAFE = re.compile(r"[^\w\-. /]")
+MLFLOW_MAX_NAME = 250
 
 
 def mlflow_name(key: str) -> str:
-    return _MLFLOW_UNSAFE.sub("_", key)
+    parts = [p for p in _MLFLOW_UNSAFE.sub("_", key).split("/") if p not in ("", ".")]
+    return "/".join("__" if p == ".." else p for p in parts)[:MLFLOW_MAX_NAME] or "_"
 
 
 class MlflowLog:

@@ -19,7 +19,7 @@ CONFIG = {"trainer": {"project_name": "proj", "logger": ["console", "mlflow"], "
 STEPS = {1: {"reward/mean": 0.25, "response/length": 120, "timing_s/step": 3.5, "reward/em@nq": 0.5,
              "note": "not a number"},
          2: {"reward/mean": 0.5, "response/length": 96, "timing_s/step": 3.25, "reward/em@nq": 0.75,
-             "health/alarms": True}}
+             "health/alarms": True, "val//em": 0.5}}
 
 
 def run_tracker(backends, out_dir, project="proj", experiment="exp"):
@@ -43,7 +43,7 @@ def test_tensorboard_event_files_in_verls_directory_read_back(tmp_path, monkeypa
     events = EventAccumulator(str(tmp_path / "tensorboard_log" / "proj" / "exp"))
     events.Reload()
     assert set(events.Tags()["scalars"]) == {"reward/mean", "response/length", "timing_s/step", "reward/em@nq",
-                                             "health/alarms"}
+                                             "health/alarms", "val//em"}
     assert [(e.step, e.value) for e in events.Scalars("reward/mean")] == [(1, 0.25), (2, 0.5)]
     assert [(e.step, e.value) for e in events.Scalars("response/length")] == [(1, 120.0), (2, 96.0)]
     assert [(e.step, e.value) for e in events.Scalars("health/alarms")] == [(2, 1.0)]
@@ -77,6 +77,7 @@ def test_mlflow_run_in_a_local_store_reads_back(tmp_path, monkeypatch):
     assert history("reward/mean") == [(1, 0.25), (2, 0.5)]
     assert history("response/length") == [(1, 120.0), (2, 96.0)]
     assert history("reward/em_nq") == [(1, 0.5), (2, 0.75)]  # '@' is not a name MLflow takes
+    assert history("val/em") == [(2, 0.5)]  # nor a path that is not normalized
     assert "note" not in run.data.metrics
     params = run.data.params
     assert params["trainer/total_epochs"] == "2" and params["actor_rollout_ref/actor/optim/lr"] == "1e-06"
@@ -115,6 +116,21 @@ def test_a_backend_without_its_package_stops_the_run_at_start_up(backend, tmp_pa
     with pytest.raises(ConfigError, match=f"needs the {backend} package"):
         run(raw)
     assert not (tmp_path / "run").exists()
+
+
+def test_mlflow_names_are_ones_mlflow_takes():
+    """MLflow refuses a name with other characters, or one that is not a normalized path, and with
+    it the whole batch of the step: every metric name is made one it takes, distinct ones kept apart."""
+    import posixpath
+    import re
+
+    from verl.utils.tracking import mlflow_name
+    names = {key: mlflow_name(key) for key in ["reward/em@nq", "reward/em/nq", "/val//em/", "a/./b", "../up",
+                                               "critic/", "timing_s/step", "x" * 300, "", "reward/em nq-1.5"]}
+    for name in names.values():
+        assert re.fullmatch(r"[/\w.\- ]+", name) and posixpath.normpath(name) == name and len(name) <= 250
+    assert names["reward/em@nq"] == "reward/em_nq" and names["/val//em/"] == "val/em"
+    assert names["timing_s/step"] == "timing_s/step" and names["reward/em nq-1.5"] == "reward/em nq-1.5"
 
 
 def test_unknown_backend_names_the_known_ones():
