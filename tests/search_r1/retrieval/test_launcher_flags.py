@@ -21,8 +21,8 @@ from search_r1.retrieval.factory import RetrieverArgs, build_retriever
 from search_r1.retrieval.launcher_flags import resolve_peer_flags
 from search_r1.retrieval.models import resolve_model
 from search_r1.retrieval.server import ServerConfig, create_app, uvicorn_config
-from test_web import KEYS, PATHS, FakeEngines
 from search_r1.retrieval.web import WebEngine
+from test_web import KEYS, PATHS, FakeEngines  # the fake upstream engine on 127.0.0.1
 
 
 @pytest.fixture(autouse=True)
@@ -121,6 +121,7 @@ def fake_engine():
     server.close()
 
 
+@pytest.mark.e2e  # a server process
 def test_serpapi_launchers_flags_serve_from_the_engine_with_the_flags_key(fake_engine, tmp_path):
     """retrieval_launch_serpapi.sh's flags as they are (no --retriever_name: they select serpapi);
     --search_url points at the fake engine instead of serpapi.com."""
@@ -139,6 +140,7 @@ def test_serpapi_launchers_flags_serve_from_the_engine_with_the_flags_key(fake_e
     assert key not in (tmp_path / "serpapi.log").read_text()
 
 
+@pytest.mark.e2e  # a server process
 def test_google_launchers_api_key_is_the_google_key_and_the_bearer_token_comes_from_the_environment(
         fake_engine, tmp_path):
     """retrieval_launch_google.sh's flags (--api_key is Google's key there), with --search_url at the
@@ -228,6 +230,7 @@ def wait_for(predicate, timeout_s=15.0):
     return False
 
 
+@pytest.mark.e2e  # a server process
 def test_save_address_to_writes_the_address_the_peers_clients_read(bm25_index, corpus_jsonl, tmp_path):
     addresses = tmp_path / "addresses"  # created by the server
     server = ServerProcess(["--retriever_name", "bm25", "--index_path", str(bm25_index), "--corpus_path",
