@@ -39,11 +39,14 @@ def show_defaults(parser: argparse.ArgumentParser) -> None:
 
 def _serve_parser(sub):
     from search_r1.retrieval.factory import RetrieverArgs
+    from search_r1.retrieval.launcher_flags import RecordGiven, add_peer_flags
     from search_r1.retrieval.server import ServerConfig
 
     p = sub.add_parser("serve", help="run the retrieval server (POST /retrieve)")
     d = RetrieverArgs()
-    _add(p, "retriever_name", default=d.retriever_name,
+    # RecordGiven: flags that a peer's flag of the same meaning can clash with, or that the peers'
+    # flags fill in when absent (search_r1/retrieval/launcher_flags.py).
+    _add(p, "retriever_name", default=d.retriever_name, action=RecordGiven,
          help="e5 | bge | any dense encoder name | bm25 | serpapi | google | brave | bing")
     _add(p, "retriever_model", default=d.retriever_model, help="encoder: local dir or hub id")
     _add(p, "index_path", help="dense: embeddings dir/.npy or a FAISS .index; bm25: index dir")
@@ -60,13 +63,18 @@ def _serve_parser(sub):
          help="dense: replay the query encoder from CUDA graphs, one per batch/length bucket "
               "(default: on where the encoder runs on a GPU)")
     _add(p, "reranker_model", help="cross-encoder to re-score first-stage candidates")
-    _add(p, "topk_retrieval", type=int, default=d.topk_retrieval)
+    _add(p, "topk_retrieval", type=int, default=d.topk_retrieval, action=RecordGiven,
+         help="first-stage candidates per query that the reranker re-orders")
+    _add(p, "reranker_batch_size", type=int, default=d.reranker_batch_size, action=RecordGiven,
+         help="(query, passage) pairs per cross-encoder forward pass")
     _add(p, "web_cache_dir")
     c = ServerConfig()
-    _add(p, "topk", type=int, default=c.topk, help="default top-k of a request")
+    _add(p, "topk", type=int, default=c.topk, action=RecordGiven, help="default top-k of a request")
     _add(p, "host", default="127.0.0.1", help="interface to listen on (0.0.0.0: every interface)")
     _add(p, "port", type=int, default=8000, help="port to listen on")
-    _add(p, "api_key", help="require `Authorization: Bearer KEY` (or set SEARCH_R1_API_KEY)")
+    _add(p, "api_key", help="require `Authorization: Bearer KEY` (or set SEARCH_R1_API_KEY); with "
+                            "--retriever_name google and --cse_id, the Google API key, as in the original "
+                            "Google launcher")
     _add(p, "max_batch", type=int, default=c.max_batch, help="queries per search call")
     _add(p, "max_wait_ms", type=float, default=c.max_wait_ms)
     _add(p, "max_pending", type=int, default=c.max_pending)
@@ -88,15 +96,21 @@ def _serve_parser(sub):
     _add(p, "worker_process", action="store_true",
          help="run the retriever (encoder, index, corpus) in a child process, away from the HTTP "
               "event loop's interpreter lock")
+    add_peer_flags(p, _add)
     p.set_defaults(func=_serve)
 
 
 def _serve(args):
     import os
 
+    from search_r1.retrieval.address_file import check_directory
     from search_r1.retrieval.factory import RetrieverArgs, build_retriever
+    from search_r1.retrieval.launcher_flags import resolve_peer_flags
     from search_r1.retrieval.server import ServerConfig, parallel_tokenizers, serve
 
+    resolve_peer_flags(args)  # the peers' launcher flags onto ours; a clash stops the start here
+    if args.save_address_to:
+        check_directory(args.save_address_to)
     parallel_tokenizers()  # before the retriever (or its worker process) tokenises anything
     r_args = RetrieverArgs(**{f.name: getattr(args, f.name) for f in fields(RetrieverArgs)})
     cfg = ServerConfig(topk=args.topk, max_topk=args.max_topk,
@@ -117,7 +131,8 @@ def _serve(args):
         retriever = ProcessRetriever(partial(build_retriever, r_args))
     else:
         retriever = build_retriever(r_args)
-    serve(retriever, cfg, args.host, args.port, name=args.retriever_name, pages=pages)
+    serve(retriever, cfg, args.host, args.port, name=args.retriever_name, pages=pages,
+          save_address_to=args.save_address_to)
 
 
 def _index_parser(sub):

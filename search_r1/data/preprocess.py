@@ -22,7 +22,13 @@ curriculum's first stage: the one-hop ones).
 Sources, merged in this order:
 - FlashRAG datasets by name (`--sources nq,hotpotqa`), from the Hugging Face hub or from a local
   copy of that repository (`--local-dir`, holding `<name>/<split>.jsonl`);
-- local files with `question` and `golden_answers` columns (`--local name=path`, JSONL or parquet);
+- local files with `question` and `golden_answers` columns (`--local name=path`, JSONL or parquet),
+  or RLinf's rows, `prompt` and `solutions`, as its Search-R1 JSONL has them (and the trainer reads
+  them): their prompt is kept exactly as written (text, or chat messages), since it is already the
+  model's input and holds no separate question to fill a template with; `solutions` become the
+  answers, and a row's own `data_source` wins over the NAME of `--local`. A text prompt makes a
+  text `prompt` column, which the trainer feeds with `data.apply_chat_template=false`; text and chat
+  prompts cannot share a file;
 - the bundled geography task (`--bundled`).
 Several FlashRAG datasets have no test split; asking for `test` then takes `dev`, as is usual.
 """
@@ -39,6 +45,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from search_r1.data import bundled
+from verl.utils.dataset import row_fields
 from search_r1.data.templates import RESPONSE_PREFIXES, TEMPLATES, TOOL_SYSTEM, fill_template, read_template_file
 
 log = logging.getLogger(__name__)
@@ -63,6 +70,8 @@ def _schema(extra_info: list) -> pa.Schema:
 
 
 SCHEMA = _schema(_EXTRA_INFO)
+# RLinf's text prompts, kept as written: the prompt column holds the text.
+TEXT_PROMPT_SCHEMA = SCHEMA.set(SCHEMA.get_field_index("prompt"), pa.field("prompt", pa.string()))
 
 # (dataset name, split) -> records with "question" and "golden_answers".
 Loader = Callable[[str, str], list[dict]]
@@ -125,7 +134,8 @@ def load_split(name: str, split: str, loader: Loader) -> list[dict]:
 
 
 def read_qa_file(path: str | os.PathLike) -> list[dict]:
-    """Records from a JSONL or parquet file with `question` and `golden_answers` columns."""
+    """Records from a JSONL or parquet file with `question` and `golden_answers` columns, or with
+    RLinf's `prompt` and `solutions` (records `{"prompt", "golden_answers", "data_source"}` then)."""
     path = Path(path)
     if path.suffix == ".parquet":
         records = pq.read_table(path).to_pylist()
@@ -133,10 +143,28 @@ def read_qa_file(path: str | os.PathLike) -> list[dict]:
         with open(path, encoding="utf-8") as f:
             records = [json.loads(line) for line in f if line.strip()]
     for i, r in enumerate(records):
-        if "question" not in r or "golden_answers" not in r:
-            raise ValueError(f"{path} row {i} has fields {sorted(r)}; each row needs `question` "
-                             "and `golden_answers` (a list of acceptable answers).")
+        if "question" in r and "golden_answers" in r:
+            continue
+        if isinstance(r, dict) and "prompt" in r and "solutions" in r:
+            records[i] = _rlinf_record(r, f"{path} row {i}")
+            continue
+        raise ValueError(f"{path} row {i} has fields {sorted(r)}; each row needs `question` "
+                         "and `golden_answers` (a list of acceptable answers), or RLinf's `prompt` "
+                         "and `solutions`.")
     return records
+
+
+def _rlinf_record(row: dict, where: str) -> dict:
+    """An RLinf row (`prompt`, `solutions`, optional `data_source`) read as the trainer reads it."""
+    prompt, data_source, ground_truth, _ = row_fields(row, where)
+    if not isinstance(prompt, str):
+        try:  # only the role and content of each message: the parquet column holds no more
+            prompt = [{"role": str(m["role"]), "content": str(m["content"])} for m in prompt]
+        except (TypeError, KeyError) as e:
+            raise ValueError(f"{where}: `prompt` must be text or a list of messages with a `role` and a "
+                             f"`content` each ({e!r})") from None
+    return {"prompt": prompt, "golden_answers": ground_truth["target"],
+            "data_source": row.get("data_source")}
 
 
 # Rows of the tool protocol, in verl's search-tool layout: a system message, and per row the search
@@ -177,18 +205,47 @@ def build_rows(sources: list[tuple[str, list[dict]]], split: str,
     prompt as an unfinished assistant message."""
     rows = []
     for name, records in sources:
+        kept = 0
         for r in records:
-            rows.append(make_row(r["question"], r["golden_answers"], name, split, len(rows),
-                                 template_text, tool, r.get("type"), r.get("hops"), response_prefix))
+            if "prompt" in r:  # RLinf's: the model's input already, kept as written
+                if tool:
+                    raise ValueError(f"{name}: RLinf rows (prompt, solutions) carry their own prompt, and "
+                                     "--template tool writes verl's search-tool rows from questions: convert "
+                                     "them without --template tool")
+                rows.append(prompt_row(r["prompt"], r["golden_answers"], r.get("data_source") or name,
+                                       split, len(rows)))
+                kept += 1
+            else:
+                rows.append(make_row(r["question"], r["golden_answers"], name, split, len(rows),
+                                     template_text, tool, r.get("type"), r.get("hops"), response_prefix))
         log.info("%s/%s: %d rows", name, split, len(records))
+        if kept:
+            log.info("%s: %d RLinf rows (prompt, solutions) keep their prompt as written; the template "
+                     "and the response prefix apply to question rows only", name, kept)
     return rows
+
+
+def prompt_row(prompt: str | list[dict], answers, data_source: str, split: str, index: int) -> dict:
+    """A row whose prompt is given (RLinf's), in the layout of `make_row`."""
+    if isinstance(answers, str):
+        answers = [answers]
+    ground_truth = {"target": [str(a) for a in answers]}
+    return {"data_source": data_source, "prompt": prompt, "ability": ABILITY,
+            "reward_model": {"style": "rule", "ground_truth": ground_truth},
+            "extra_info": {"split": split, "index": index}}
 
 
 def write_parquet(rows: list[dict], path: str | os.PathLike) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tool = bool(rows) and "tools_kwargs" in rows[0]["extra_info"]
-    pq.write_table(pa.Table.from_pylist(rows, schema=TOOL_SCHEMA if tool else SCHEMA), path)
+    text = sum(isinstance(r["prompt"], str) for r in rows)
+    if 0 < text < len(rows):
+        raise ValueError(f"{text} rows give the prompt as text (RLinf's) and {len(rows) - text} as chat "
+                         "messages: one parquet column holds one kind; write them to two files (the trainer "
+                         "takes several: data.train_files=[a,b])")
+    schema = TOOL_SCHEMA if tool else TEXT_PROMPT_SCHEMA if text else SCHEMA
+    pq.write_table(pa.Table.from_pylist(rows, schema=schema), path)
     return path
 
 
@@ -227,8 +284,9 @@ def main(argv: list[str] | None = None, loader: Loader | None = None) -> Path:
                         help=f"comma-separated FlashRAG datasets, e.g. nq,hotpotqa "
                              f"(known: {','.join(FLASHRAG_SOURCES)})")
     parser.add_argument("--local", action="append", default=[], metavar="NAME=PATH",
-                        help="a local JSONL/parquet file with question and golden_answers; "
-                             "NAME becomes data_source (repeatable)")
+                        help="a local JSONL/parquet file with question and golden_answers, or RLinf's "
+                             "prompt and solutions (the prompt kept as written); NAME becomes data_source "
+                             "where a row has none (repeatable)")
     parser.add_argument("--bundled", action="store_true", help="add the bundled geography task")
     parser.add_argument("--bundled-types", default="", metavar="TYPES",
                         help="only these bundled question types, comma-separated (e.g. city_country,city_timezone: "

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from search_r1.retrieval.base import Retriever
@@ -29,7 +29,13 @@ class RetrieverArgs:
     encoder_cuda_graphs: bool | None = None  # dense: the query encoder from CUDA graphs; None: on a GPU
     reranker_model: str | None = None
     topk_retrieval: int = 10            # first-stage candidates per query when reranking
+    reranker_batch_size: int = 128      # (query, passage) pairs per cross-encoder forward pass
     web_cache_dir: str | None = None
+    search_url: str | None = None       # web engines: the endpoint; None: the engine's public API
+    serp_engine: str = "google"         # serpapi: the engine SerpAPI queries (its `engine` parameter)
+    # Web engine keys given on the command line, by their environment variable's name (web.KEY_ENV);
+    # they win over the environment. Never printed: kept out of repr.
+    web_keys: dict[str, str] | None = field(default=None, repr=False)
 
 
 def _require(path: str | None, what: str) -> Path:
@@ -45,14 +51,16 @@ def build_retriever(a: RetrieverArgs) -> Retriever:
     name = a.retriever_name.lower()
     if name in WEB_ENGINES:
         from search_r1.retrieval.web import WebSearchRetriever
-        retriever = WebSearchRetriever(engine=name, cache_dir=a.web_cache_dir)
+        retriever = WebSearchRetriever(engine=name, base_url=a.search_url, cache_dir=a.web_cache_dir,
+                                       credentials=a.web_keys, serp_engine=a.serp_engine)
     elif name == "bm25":
         retriever = _bm25(a)
     else:
         retriever = _dense(a)
     if a.reranker_model:
         from search_r1.retrieval.rerank import CrossEncoderReranker, RerankRetriever
-        retriever = RerankRetriever(retriever, CrossEncoderReranker(a.reranker_model),
+        retriever = RerankRetriever(retriever, CrossEncoderReranker(a.reranker_model,
+                                                                    batch_size=a.reranker_batch_size),
                                     topk_retrieval=a.topk_retrieval)
     return retriever
 

@@ -592,8 +592,10 @@ def parallel_tokenizers() -> None:
 
 
 def serve(retriever: Retriever, cfg: ServerConfig, host: str = "127.0.0.1", port: int = 8000,
-          name: str = "retriever", pages: Pages | None = None):
-    import uvicorn
+          name: str = "retriever", pages: Pages | None = None, save_address_to: str | None = None):
+    """`save_address_to`: a directory where the address file of ASearcher's and RLinf's clients is
+    written once the server is healthy (search_r1.retrieval.address_file)."""
+    from search_r1.retrieval.address_file import make_server
 
     app = create_app(retriever, cfg, name, pages)
     # The event loop (HTTP, JSON) and the worker (kernel launches) share the GIL. Under load the
@@ -601,7 +603,7 @@ def serve(retriever: Retriever, cfg: ServerConfig, host: str = "127.0.0.1", port
     # encoding down; a shorter interval lets it in sooner (benchmarks/RESULTS.md, "Whole server").
     sys.setswitchinterval(cfg.switch_interval_s)
     log.info("serving %s on http://%s:%d/retrieve", name, host, port)
-    uvicorn.Server(uvicorn_config(app, cfg, host, port)).run()
+    make_server(uvicorn_config(app, cfg, host, port), save_address_to, host).run()
 
 
 def uvicorn_config(app, cfg: ServerConfig, host: str, port: int):

@@ -9,9 +9,11 @@ One request per query, so `topk` is limited to the engine's per-request maximum 
 SerpAPI 100 (`num`), Google Programmable Search 10 (`num`), Brave 20 (`count`), Bing 50 (`count`).
 Microsoft retired the public Bing Search API in 2025; `base_url` can point at a compatible endpoint.
 
-API keys come from environment variables only. They are never logged, cached or put into error
-messages: Google and SerpAPI take the key in the query string, and httpx logs every request URL
-at INFO, so a filter on the `httpx` logger blanks the key there.
+API keys come from environment variables, or from the caller (`credentials`: `search-r1 serve`
+passes the original launchers' `--serp_api_key`, `--api_key` and `--cse_id` this way), which win
+over the environment. They are never logged, cached or put into error messages: Google and SerpAPI
+take the key in the query string, and httpx logs every request URL at INFO, so a filter on the
+`httpx` logger blanks the key there.
 
 A query that still fails after its retries yields an empty hit list (counted in `errors`, logged
 as a warning) instead of failing the batch: one flaky request should not stop a training step.
@@ -64,6 +66,10 @@ KEY_ENV = {
     WebEngine.BRAVE: ("BRAVE_API_KEY",),
     WebEngine.BING: ("BING_API_KEY",),
 }
+# Where `search-r1 serve` also takes each one: the flags of the original launchers
+# (retrieval_launch_serpapi.sh, retrieval_launch_google.sh).
+KEY_FLAGS = {"SERPAPI_API_KEY": "--serp_api_key", "GOOGLE_API_KEY": "--api_key with --cse_id",
+             "GOOGLE_CSE_ID": "--cse_id"}
 
 
 class WebSearchRetriever(Retriever):
@@ -75,12 +81,17 @@ class WebSearchRetriever(Retriever):
         longer than `max_backoff`.
     cache_dir: if set, answers are kept there as JSON files keyed by sha256(engine, query, topk)
         and reused across runs; failed queries are not cached.
+    credentials: keys by their environment variable's name (`KEY_ENV`); a value given here wins
+        over the environment.
+    serp_engine: the engine SerpAPI queries for us (its `engine` parameter, the original's
+        `--serp_engine`); SerpAPI only.
     """
 
     def __init__(self, engine: WebEngine | str = WebEngine.SERPAPI, *, base_url: str | None = None,
                  timeout: float = 10.0, retries: int = 3, backoff: float = 0.5,
                  max_backoff: float = 30.0, max_concurrency: int = 8,
-                 cache_dir: str | os.PathLike | None = None):
+                 cache_dir: str | os.PathLike | None = None,
+                 credentials: dict[str, str] | None = None, serp_engine: str = "google"):
         try:
             self.engine = WebEngine(engine)
         except ValueError:
@@ -89,7 +100,10 @@ class WebSearchRetriever(Retriever):
         if max_concurrency < 1 or retries < 0 or timeout <= 0:
             raise ValueError("WebSearchRetriever needs max_concurrency >= 1, retries >= 0 and "
                              f"timeout > 0 (got {max_concurrency}, {retries}, {timeout})")
-        self._credentials = _read_credentials(self.engine)
+        if serp_engine != "google" and self.engine != WebEngine.SERPAPI:
+            raise ValueError(f"serp_engine={serp_engine!r} is SerpAPI's; {self.engine} takes none")
+        self.serp_engine = serp_engine
+        self._credentials = _read_credentials(self.engine, credentials or {})
         self._secret = self._credentials[KEY_ENV[self.engine][0]]
         _HTTPX_REDACTION.secrets.add(self._secret)
 
@@ -104,6 +118,9 @@ class WebSearchRetriever(Retriever):
         self.last_error: str | None = None
         self._errors_lock = threading.Lock()
         self._cache = _DiskCache(Path(cache_dir)) if cache_dir is not None else None
+        # Answers of another SerpAPI engine are other answers; Google's keep the plain key, so caches
+        # written before the option existed stay valid.
+        self._cache_name = str(self.engine) if serp_engine == "google" else f"{self.engine}/{serp_engine}"
         self._client = httpx.Client(timeout=timeout,
                                     limits=httpx.Limits(max_connections=max_concurrency))
         self._pool = ThreadPoolExecutor(max_concurrency, thread_name_prefix="web-search")
@@ -138,7 +155,7 @@ class WebSearchRetriever(Retriever):
 
     def _search_one(self, query: str, topk: int) -> list[Hit]:
         if self._cache is not None:
-            hits = self._cache.get(self.engine, query, topk)
+            hits = self._cache.get(self._cache_name, query, topk)
             if hits is not None:
                 return hits
         try:
@@ -155,11 +172,11 @@ class WebSearchRetriever(Retriever):
             self.answered += 1
             self.failing_in_a_row = 0
         if self._cache is not None:
-            self._cache.put(self.engine, query, topk, hits)
+            self._cache.put(self._cache_name, query, topk, hits)
         return hits
 
     def _fetch(self, query: str, topk: int) -> list[Hit]:
-        params, headers = _request(self.engine, query, topk, self._credentials)
+        params, headers = _request(self.engine, query, topk, self._credentials, self.serp_engine)
         for attempt in range(self.retries + 1):
             retry_after = None
             try:
@@ -198,21 +215,25 @@ class _QueryFailed(Exception):
     pass
 
 
-def _read_credentials(engine: WebEngine) -> dict[str, str]:
+def _read_credentials(engine: WebEngine, given: dict[str, str]) -> dict[str, str]:
     names = KEY_ENV[engine]
-    missing = [n for n in names if not os.environ.get(n)]
+    found = {n: given.get(n) or os.environ.get(n) for n in names}
+    missing = [n for n in names if not found[n]]
     if missing:
-        raise RuntimeError(f"web search engine {engine!r} needs the environment variable"
-                           f"{'s' if len(missing) > 1 else ''} {' and '.join(missing)}; "
-                           "export it before starting the retrieval server")
-    return {n: os.environ[n] for n in names}
+        flags = [f"{KEY_FLAGS[n]} for {n}" for n in missing if n in KEY_FLAGS]
+        # ValueError: a start-up problem the user fixes, which `search-r1 serve` reports in one line
+        raise ValueError(f"web search engine '{engine}' needs the environment variable"
+                         f"{'s' if len(missing) > 1 else ''} {' and '.join(missing)}; "
+                         "export it before starting the retrieval server"
+                         + (f" (or give `search-r1 serve` {', '.join(flags)})" if flags else ""))
+    return found
 
 
-def _request(engine: WebEngine, query: str, topk: int,
-             credentials: dict[str, str]) -> tuple[dict, dict]:
+def _request(engine: WebEngine, query: str, topk: int, credentials: dict[str, str],
+             serp_engine: str = "google") -> tuple[dict, dict]:
     """Query-string parameters and headers of one search request."""
     if engine == WebEngine.SERPAPI:
-        return {"engine": "google", "q": query, "num": topk,
+        return {"engine": serp_engine, "q": query, "num": topk,
                 "api_key": credentials["SERPAPI_API_KEY"]}, {}
     elif engine == WebEngine.GOOGLE:
         return {"key": credentials["GOOGLE_API_KEY"], "cx": credentials["GOOGLE_CSE_ID"],
@@ -302,11 +323,11 @@ class _DiskCache:
         self.root = root
         root.mkdir(parents=True, exist_ok=True)
 
-    def _path(self, engine: WebEngine, query: str, topk: int) -> Path:
+    def _path(self, engine: str, query: str, topk: int) -> Path:
         digest = hashlib.sha256(json.dumps([str(engine), query, topk]).encode()).hexdigest()
         return self.root / digest[:2] / f"{digest}.json"  # subfolders keep directories small
 
-    def get(self, engine: WebEngine, query: str, topk: int) -> list[Hit] | None:
+    def get(self, engine: str, query: str, topk: int) -> list[Hit] | None:
         path = self._path(engine, query, topk)
         try:
             entry = json.loads(path.read_text(encoding="utf-8"))
@@ -320,7 +341,7 @@ class _DiskCache:
                         path, e)
             return None
 
-    def put(self, engine: WebEngine, query: str, topk: int, hits: list[Hit]) -> None:
+    def put(self, engine: str, query: str, topk: int, hits: list[Hit]) -> None:
         path = self._path(engine, query, topk)
         entry = {"engine": str(engine), "query": query, "topk": topk,
                  "hits": [{"id": h.passage.id, "contents": h.passage.contents, "score": h.score}

@@ -408,10 +408,14 @@ class RunConfig:
     time_limit_minutes: float | None = key(None, "minutes of wall clock for this run from the start of training "
                                                  "(resume and validation count); the step running when they are "
                                                  "spent is the last; null: no limit")
-    project_name: str = key("search_r1", "the wandb project")
-    experiment_name: str = key("run", "the wandb run name; also names default_local_dir by default")
+    project_name: str = key("search_r1", "the wandb project, MLflow experiment and TensorBoard directory's parent")
+    experiment_name: str = key("run", "the wandb and MLflow run name; also names default_local_dir and the "
+                                      "TensorBoard directory by default")
     logger: list = key_factory(lambda: ["console", "jsonl"], "metric backends: console | jsonl "
-                               "(<default_local_dir>/metrics.jsonl) | wandb (WANDB_MODE=offline needs no account)")
+                               "(<default_local_dir>/metrics.jsonl) | wandb (WANDB_MODE=offline needs no account) | "
+                               "tensorboard ($TENSORBOARD_DIR, else tensorboard_log/<project_name>/<experiment_name>) "
+                               "| mlflow ($MLFLOW_TRACKING_URI, else the SQLite database ./mlflow.db); a backend's missing "
+                               "package stops the run at start-up")
     nnodes: int = key(1, "nodes")
     n_gpus_per_node: int = key(1, "worker processes per node: one per GPU (on CPU: processes)")
     device: str = key("auto", "auto (cuda if available) | cuda | cpu")

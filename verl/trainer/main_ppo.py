@@ -30,9 +30,13 @@ def run(raw: DictConfig) -> None:
     from verl.trainer.ppo_trainer import PPOTrainer, load_reward_fn
     from verl.utils.dataset import PromptSampler, load_examples
     from verl.workers.rollout.agent_loop import load_agent_loop
-    from verl.utils.tracking import Tracker
+    from verl.utils.tracking import Tracker, check_backends
 
     cfg = load_config(raw)
+    try:  # a tracker whose package is missing stops the run now, not after the workers have loaded
+        check_backends(cfg.trainer.logger)
+    except (ValueError, ImportError) as e:
+        raise ConfigError(str(e)) from None
     check_agent_keys(cfg, _overridden_keys())
     multi_turn = cfg.actor_rollout_ref.rollout.multi_turn
     if multi_turn.tool_config_path:  # the workers read it too, from whatever directory they start in

@@ -261,3 +261,56 @@ def test_response_prefix_ends_the_prompt_as_an_open_assistant_message(tmp_path, 
     with pytest.raises(SystemExit):
         prompts("--template", "tool", "--response-prefix", "<think>")
     assert "does not go with the tool template" in capsys.readouterr().err
+
+
+RLINF_ROWS = [
+    {"prompt": "<|im_start|>user\nAnswer the question. Question: who wrote hamlet?<|im_end|>\n"
+               "<|im_start|>assistant\n", "solutions": ["William Shakespeare", "Shakespeare"], "query_id": "q1"},
+    {"prompt": "Question: capital of peru?\n", "solutions": "Lima", "data_source": "hotpotqa"},
+]
+
+
+def test_local_rlinf_jsonl_converts_as_the_trainer_reads_it(tmp_path):
+    """qa_search.py --local takes RLinf's Search-R1 JSONL, which the trainer takes as it is: the
+    parquet it writes gives the trainer the same prompts (as written), answers and sources."""
+    from verl.utils.dataset import load_examples
+    from search_r1.retrieval.models import resolve_model
+    from transformers import AutoTokenizer
+
+    rlinf = write_jsonl(tmp_path / "searchr1_train.jsonl", RLINF_ROWS)
+    out = preprocess.main(["--local", f"nq={rlinf}", "--out", str(tmp_path / "train.parquet")])
+    table = pq.read_table(out)
+    assert table.schema.equals(preprocess.TEXT_PROMPT_SCHEMA)
+    rows = table.to_pylist()
+    assert [r["prompt"] for r in rows] == [r["prompt"] for r in RLINF_ROWS]  # never re-templated
+    assert [r["data_source"] for r in rows] == ["nq", "hotpotqa"]  # a row's own source wins over NAME
+    assert [r["reward_model"]["ground_truth"]["target"] for r in rows] == [["William Shakespeare", "Shakespeare"],
+                                                                            ["Lima"]]
+    assert [r["extra_info"]["index"] for r in rows] == [0, 1]
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model("all-MiniLM-L6-v2"))
+    converted = load_examples(str(out), tokenizer, 1000, apply_chat_template=False)
+    original = load_examples(str(rlinf), tokenizer, 1000, apply_chat_template=False)
+    assert [e.prompt_ids for e in converted] == [e.prompt_ids for e in original]
+    assert [e.ground_truth for e in converted] == [e.ground_truth for e in original]
+
+
+def test_local_rlinf_chat_rows_merge_with_question_rows_and_text_rows_do_not(local_files, tmp_path):
+    jsonl, _ = local_files
+    messages = [{"role": "user", "content": "who painted the mona lisa?"}]
+    chat = write_jsonl(tmp_path / "chat.jsonl", [{"prompt": messages, "solutions": ["Leonardo da Vinci"]}])
+    out = preprocess.main(["--local", f"alpha={jsonl}", "--local", f"rlinf={chat}",
+                           "--out", str(tmp_path / "merged.parquet")])
+    rows = pq.read_table(out).to_pylist()
+    assert rows[0]["prompt"] == make_prompt("who wrote hamlet", "instruct")
+    assert rows[2]["prompt"] == messages and rows[2]["data_source"] == "rlinf"
+    assert [r["extra_info"]["index"] for r in rows] == [0, 1, 2]
+
+    text = write_jsonl(tmp_path / "text.jsonl", RLINF_ROWS)
+    with pytest.raises(ValueError, match=r"2 rows give the prompt as text .* data.train_files=\[a,b\]"):
+        preprocess.main(["--local", f"alpha={jsonl}", "--local", f"nq={text}", "--out", str(tmp_path / "x.parquet")])
+    with pytest.raises(ValueError, match="without --template tool"):
+        preprocess.main(["--local", f"nq={text}", "--template", "tool", "--out", str(tmp_path / "y.parquet")])
+    bad = write_jsonl(tmp_path / "bad.jsonl", [{"prompt": [{"text": "hi"}], "solutions": ["a"]}])
+    with pytest.raises(ValueError, match="row 0: `prompt` must be text or a list of messages"):
+        preprocess.read_qa_file(bad)

@@ -297,14 +297,14 @@ def test_api_key_never_reaches_logs_or_cache(make, fake, tmp_path, caplog, engin
 def test_missing_key_names_the_variable(monkeypatch, engine):
     for name in KEY_ENV[engine]:
         monkeypatch.delenv(name, raising=False)
-    with pytest.raises(RuntimeError, match=KEY_ENV[engine][-1]):
+    with pytest.raises(ValueError, match=KEY_ENV[engine][-1]):
         WebSearchRetriever(engine)
 
 
 def test_google_needs_the_search_engine_id_too(monkeypatch):
     monkeypatch.setenv("GOOGLE_API_KEY", KEYS["GOOGLE_API_KEY"])
     monkeypatch.delenv("GOOGLE_CSE_ID", raising=False)
-    with pytest.raises(RuntimeError, match="GOOGLE_CSE_ID") as err:
+    with pytest.raises(ValueError, match="GOOGLE_CSE_ID") as err:
         WebSearchRetriever("google")
     assert KEYS["GOOGLE_API_KEY"] not in str(err.value)
 
