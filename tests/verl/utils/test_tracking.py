@@ -1,6 +1,6 @@
 """trainer.logger's backends write what the trainer logs where verl users look for it, and one whose
 package is missing stops the run at start-up. What TensorBoard and MLflow wrote is read back with
-their own readers (EventAccumulator, MlflowClient on a local SQLite store); without the package
+their own readers (EventAccumulator, MlflowClient on a local store); without the package
 (`pip install 'search-r1[test]'` installs both) those tests are skipped and say so."""
 from __future__ import annotations
 
@@ -66,10 +66,17 @@ def mlflow_run(uri: str, project: str = "proj"):
 def test_mlflow_run_in_a_local_store_reads_back(tmp_path, monkeypatch):
     pytest.importorskip("mlflow", reason="the mlflow package is not installed (pip install mlflow, "
                                          "or pip install 'search-r1[test]')")
+    from verl.utils.tracking import mlflow_tracking_uri
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    assert mlflow_tracking_uri() == f"sqlite:///{tmp_path / 'mlflow.db'}"  # the default: ./mlflow.db
+    # The test extra installs mlflow-skinny, which has no SQL store: a local file store, which it
+    # still writes when allowed, stands in for the database (the same client calls write both).
+    store = f"file:{tmp_path / 'mlruns'}"
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", store)
     run_tracker(["console", "jsonl", "mlflow"], tmp_path / "run")
-    client, run = mlflow_run(f"sqlite:///{tmp_path / 'mlflow.db'}")  # the default: ./mlflow.db
+    client, run = mlflow_run(store)
     assert run.info.run_name == "exp" and run.info.status == "FINISHED"
 
     def history(key):
@@ -86,8 +93,8 @@ def test_mlflow_run_in_a_local_store_reads_back(tmp_path, monkeypatch):
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert rows[0]["note"] == "not a number"
 
-    # MLFLOW_TRACKING_URI wins; a second run joins the same experiment
-    store = f"sqlite:///{tmp_path / 'elsewhere.db'}"
+    # a second store, elsewhere; the run goes where MLFLOW_TRACKING_URI says
+    store = f"file:{tmp_path / 'elsewhere'}"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", store)
     run_tracker(["mlflow"], tmp_path / "run2", experiment="exp2")
     assert mlflow_run(store)[1].info.run_name == "exp2"
