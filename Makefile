@@ -21,9 +21,10 @@ install:
 test: install
 	$(PYTHON) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder tests
 
-# The unit tier: everything but the end-to-end tests (`-m e2e`), which `make test` runs too.
+# The unit tier: everything but the end-to-end tests (`-m e2e`), which `make test` runs too; two
+# workers, a test file at a time, as `make test`.
 test-fast:
-	$(PYTHON) -m pytest -q -x -m "not e2e" tests
+	$(PYTHON) -m pytest -q -x -n 2 --dist loadfile --no-loadscope-reorder -m "not e2e" tests
 
 # The whole pipeline on the bundled model and task (CPU or GPU): index, server, evaluation,
 # SFT warm start, GRPO, evaluation, report.

