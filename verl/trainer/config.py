@@ -254,8 +254,12 @@ class RolloutConfig:
     max_cudagraph_capture_size: int | None = key(2048, "vLLM: tokens of the largest engine step run as a CUDA "
                                                        "graph (larger steps launch kernels one by one); null: "
                                                        "vLLM's default")
+    # A child core steps as soon as the first request of a turn reaches it, while the rest are still
+    # on their way: which requests share a step is up to timing (vLLM gives no way to hold it).
     engine_core: str = key("auto", "vLLM: in_process | separate (the engine's scheduler and model in a child "
-                                   "process) | auto: separate on a GPU, in_process on CPU")
+                                   "process; not reproducible: batches form as requests arrive, so two runs, "
+                                   "or a run and its resume, sample differently) | auto: separate on a GPU, "
+                                   "in_process on CPU")
     # token id -> added to its logit before sampling, in training and validation rollouts alike. The
     # actor's log-probs do not see it: biased samples are off-policy by the bias (benchmarks, bans).
     logit_bias: dict[int, float] | None = key(None, "{token_id: bias} added to those tokens' logits when sampling, "
