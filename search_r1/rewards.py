@@ -43,7 +43,7 @@ _ANSWER = re.compile(r"<answer>((?:(?!</?answer>).)*)</answer>", re.DOTALL)
 
 # The other blocks are paired by hand, not by a lazy regex such as "<information>(.*?)</information>":
 # the policy writes the response, and a regex scans to the end of the text from every opening tag that
-# is never closed, quadratic in the response (minutes on a few hundred thousand characters).
+# is never closed: quadratic in the length of the response.
 
 
 def _blocks(text: str, open_: str, close: str) -> Iterator[tuple[int, int]]:

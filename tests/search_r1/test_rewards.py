@@ -361,7 +361,7 @@ def test_tool_protocol_responses_score_like_tags():
 
 # -- responses the policy can write to stall the scorer ------------------------------------------
 
-N_OPEN = 20_000   # a lazy regex scans to the end from each of these: tens of seconds, here milliseconds
+N_OPEN = 20_000   # a lazy regex scans to the end from each of these: quadratic, far past the bound below
 
 
 @pytest.mark.parametrize("response", [
@@ -409,6 +409,6 @@ def test_tag_pairing_matches_the_lazy_regexes_it_replaces():
 def test_a_huge_answer_is_normalised_and_scored_in_linear_time():
     import time
     start = time.monotonic()
-    answer = "The Paris, a city; " * 50_000
+    answer = "The Paris, a city; " * 20_000
     assert token_f1(answer, ["Paris"]) > 0 and exact_match(answer, ["Paris"]) == 0.0
     assert time.monotonic() - start < 5

@@ -154,7 +154,7 @@ def test_an_oversized_call_is_malformed_and_unclosed_openings_are_read_in_linear
     bad, err = parse_call(f"<tool_call>{huge}</tool_call>", {"search"})
     assert err == "malformed_calls" and f"at most {MAX_CALL_CHARS}" in bad.error
     start = time.monotonic()
-    bad, err = parse_call("<tool_call>x" * 50_000, {"search"})  # a lazy regex takes minutes on this
+    bad, err = parse_call("<tool_call>x" * 50_000, {"search"})  # quadratic for a lazy regex
     assert err == "malformed_calls" and "no <tool_call>" in bad.error and time.monotonic() - start < 1
     ok, err = parse_call('<tool_call>{"name": "a"}</tool_call> <tool_call>x <tool_call>{"name": "search"}</tool_call>',
                          {"a", "search"})
