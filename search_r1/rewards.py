@@ -27,7 +27,7 @@ import re
 import string
 import unicodedata
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -37,19 +37,73 @@ logger = logging.getLogger(__name__)
 # Answer extraction
 
 # A pair with no other answer tag inside it, so nested or unbalanced tags resolve to the innermost
-# pair: "<answer>a <answer>b</answer>" -> "b", "<answer>a</answer> <answer>b" -> "a".
+# pair: "<answer>a <answer>b</answer>" -> "b", "<answer>a</answer> <answer>b" -> "a". (Linear: the
+# tempered token stops at the next answer tag, so no start position scans past it.)
 _ANSWER = re.compile(r"<answer>((?:(?!</?answer>).)*)</answer>", re.DOTALL)
-_INFORMATION = re.compile(r"<information>(.*?)</information>", re.DOTALL)
-# a search with a query that the environment answered (an empty one is answered by a correction)
-_ANSWERED_QUERY = re.compile(r"<search>\s*\S.*?</search>\s*<information>", re.DOTALL)
+
+# The other blocks are paired by hand, not by a lazy regex such as "<information>(.*?)</information>":
+# the policy writes the response, and a regex scans to the end of the text from every opening tag that
+# is never closed: quadratic in the length of the response.
+
+
+def _blocks(text: str, open_: str, close: str) -> Iterator[tuple[int, int]]:
+    """(start, end) of each `open_ … close` pair, left to right, each opening tag paired with the
+    first closing tag after it: the pairs a lazy regex finds, in one pass."""
+    pos = 0
+    while (start := text.find(open_, pos)) != -1:
+        end = text.find(close, start + len(open_))
+        if end == -1:
+            return   # no later opening tag can be closed either
+        pos = end + len(close)
+        yield start, pos
+
+
+def _block_texts(text: str, open_: str, close: str) -> list[str]:
+    return [text[start + len(open_):end - len(close)] for start, end in _blocks(text, open_, close)]
+
+
+def _without_information(text: str) -> str:
+    """`text` with every <information> block replaced by a space."""
+    parts, pos = [], 0
+    for start, end in _blocks(text, "<information>", "</information>"):
+        parts += [text[pos:start], " "]
+        pos = end
+    return "".join(parts) + text[pos:]
 
 
 # The tool-calling protocol writes a search as a <tool_call> block and its passages as a tool
 # message, framed by the chat template's role markers (decoded without special tokens, e.g.
 # "</tool_call>\nuser\n<tool_response>…</tool_response>\nassistant\n"). as_tags reads such a
 # response in the tags' terms, so extraction, the format check and the retrieval hit apply as they are.
-_TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>\s*(?:user|tool|ipython)?\s*(?=<tool_response>)", re.DOTALL)
-_TOOL_RESPONSE = re.compile(r"<tool_response>(.*?)</tool_response>\s*(?:assistant\b)?", re.DOTALL)
+# A call counts when its closing tag is followed by a tool message (so a call runs on to the first
+# closing tag that is); each pattern is anchored at one closing tag, so it costs the whitespace after it.
+_CALL_ANSWERED = re.compile(r"\s*(?:(?:user|tool|ipython)\s*)?(?=<tool_response>)")
+_AFTER_TOOL_RESPONSE = re.compile(r"\s*(?:assistant\b)?")
+
+
+def _calls_as_searches(response: str) -> str:
+    parts, pos = [], 0
+    while (start := response.find("<tool_call>", pos)) != -1:
+        close = start + len("<tool_call>")
+        while (close := response.find("</tool_call>", close)) != -1:
+            answered = _CALL_ANSWERED.match(response, close + len("</tool_call>"))
+            if answered:
+                break
+            close += len("</tool_call>")
+        if close == -1:
+            break   # no closing tag after this call is answered, nor after any later one
+        parts += [response[pos:start], f"<search>{response[start + len('<tool_call>'):close]}</search>\n"]
+        pos = answered.end()
+    return "".join(parts) + response[pos:]
+
+
+def _tool_messages_as_information(response: str) -> str:
+    parts, pos = [], 0
+    for start, end in _blocks(response, "<tool_response>", "</tool_response>"):
+        body = response[start + len("<tool_response>"):end - len("</tool_response>")]
+        parts += [response[pos:start], f"<information>{body}</information>\n"]
+        pos = _AFTER_TOOL_RESPONSE.match(response, end).end()
+    return "".join(parts) + response[pos:]
 
 
 def as_tags(response: str) -> str:
@@ -57,9 +111,26 @@ def as_tags(response: str) -> str:
     other responses unchanged."""
     if "<tool_call>" not in response and "<tool_response>" not in response:
         return response
-    response = _TOOL_CALL.sub(lambda m: f"<search>{m.group(1)}</search>\n", response)
-    response = _TOOL_RESPONSE.sub(lambda m: f"<information>{m.group(1)}</information>\n", response)
-    return response
+    return _tool_messages_as_information(_calls_as_searches(response))
+
+
+_INFORMATION_NEXT = re.compile(r"\s*<information>")
+
+
+def _searched(response: str) -> bool:
+    """Whether the (tag) response has a search with a non-blank query that the environment answered:
+    a <search> whose text up to a </search> followed by <information> is not blank. Only the first
+    <search> needs checking: a later one can only close at a later </search>, whose text from the
+    first includes a closing tag, so is not blank."""
+    start = response.find("<search>")
+    if start == -1:
+        return False
+    pos = start + len("<search>")
+    while (close := response.find("</search>", pos)) != -1:
+        pos = close + len("</search>")
+        if _INFORMATION_NEXT.match(response, pos) and response[start + len("<search>"):close].strip():
+            return True
+    return False
 
 
 def extract_answer(response: str) -> str | None:
@@ -68,7 +139,7 @@ def extract_answer(response: str) -> str | None:
     Pass the response only (never prompt + response): the prompt's example answer must not count.
     An empty pair gives "" (an answer that is simply wrong), not None.
     """
-    matches = _ANSWER.findall(_INFORMATION.sub(" ", as_tags(response)))
+    matches = _ANSWER.findall(_without_information(as_tags(response)))
     return matches[-1].strip() if matches else None
 
 
@@ -291,7 +362,7 @@ class RewardResult:
 def retrieval_hit(response: str, golds: GroundTruth) -> bool:
     """Whether some `<information>` block of the response contains a gold answer (whole tokens)."""
     gold_norms = [normalize_answer(g) for g in gold_answers(golds)]
-    for block in _INFORMATION.findall(as_tags(response)):
+    for block in _block_texts(as_tags(response), "<information>", "</information>"):
         block_norm = normalize_answer(block)
         if any(_contains_tokens(block_norm, g) for g in gold_norms):
             return True
@@ -352,12 +423,12 @@ def compute_score(response: str, ground_truth: GroundTruth, *, format_score: flo
     if not em:
         if not valid and answer is not None:
             score = structure_bonus
-        if format_needs_search and not _ANSWERED_QUERY.search(as_tags(response)):
+        if format_needs_search and not _searched(as_tags(response)):
             score = 0.0
         if hit and valid:
             score += retrieval_score
     if search_cost and em:
-        score -= search_cost * len(_INFORMATION.findall(as_tags(response)))
+        score -= search_cost * len(_block_texts(as_tags(response), "<information>", "</information>"))
     return RewardResult(score=score, em=em, f1=token_f1(answer, golds),
                         substring=substring_match(answer, golds), format_ok=valid,
                         answer=answer, retrieval_hit=hit)
@@ -376,8 +447,12 @@ _warned_sources: set[str] = set()
 
 
 def searches_made(response: str) -> int:
-    """The searches the environment answered: non-empty queries followed by their passages."""
-    return len(_ANSWERED_QUERY.findall(as_tags(response)))
+    """The searches the environment answered: non-blank queries followed by their passages (each
+    <search> paired with the first </search> after it, in one pass)."""
+    text = as_tags(response)
+    opened, closed = len("<search>"), len("</search>")
+    return sum(1 for start, end in _blocks(text, "<search>", "</search>")
+               if text[start + opened:end - closed].strip() and _INFORMATION_NEXT.match(text, end))
 
 
 def score_for(data_source: str, response: str, ground_truth: GroundTruth, extra_info: Mapping | None = None,

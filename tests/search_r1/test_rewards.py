@@ -357,3 +357,58 @@ def test_tool_protocol_responses_score_like_tags():
     unanswered = f"<think> look </think>\n{call}"   # a call that got no tool message: not a valid format
     assert not check_format(unanswered).valid
     assert as_tags("<answer> a </answer>") == "<answer> a </answer>"
+
+
+# -- responses the policy can write to stall the scorer ------------------------------------------
+
+N_OPEN = 20_000   # a lazy regex scans to the end from each of these: quadratic, far past the bound below
+
+
+@pytest.mark.parametrize("response", [
+    "<information>x" * N_OPEN,                                  # passages never closed
+    "<tool_call>x" * N_OPEN,                                    # calls never closed
+    "<tool_response>x" * N_OPEN,                                # tool messages never closed
+    "<tool_call>q</tool_call>" + " " * N_OPEN + "u",            # whitespace after a call, no tool message
+    "<search> q </search>" * N_OPEN + "<answer> x </answer>",   # searches never answered
+], ids=["information", "tool_call", "tool_response", "whitespace", "unanswered_searches"])
+def test_unclosed_or_unanswered_tags_are_scored_in_linear_time(response):
+    import time
+    start = time.monotonic()
+    result = compute_score(response, ["Paris"], format_score=0.1, format_needs_search=True, search_cost=0.1)
+    assert result.score == 0.0 and time.monotonic() - start < 2
+
+
+def test_tag_pairing_matches_the_lazy_regexes_it_replaces():
+    """The hand-written pairing gives what the regexes gave (they are the specification here), on
+    random sequences of every tag, role marker and whitespace."""
+    import re
+    from search_r1 import rewards
+    information = re.compile(r"<information>(.*?)</information>", re.DOTALL)
+    answered = re.compile(r"<search>\s*\S.*?</search>\s*<information>", re.DOTALL)
+    tool_call = re.compile(r"<tool_call>(.*?)</tool_call>\s*(?:user|tool|ipython)?\s*(?=<tool_response>)", re.DOTALL)
+    tool_response = re.compile(r"<tool_response>(.*?)</tool_response>\s*(?:assistant\b)?", re.DOTALL)
+
+    def as_tags(r):
+        if "<tool_call>" not in r and "<tool_response>" not in r:
+            return r
+        r = tool_call.sub(lambda m: f"<search>{m.group(1)}</search>\n", r)
+        return tool_response.sub(lambda m: f"<information>{m.group(1)}</information>\n", r)
+
+    pieces = ["<information>", "</information>", "<search>", "</search>", "<tool_call>", "</tool_call>",
+              "<tool_response>", "</tool_response>", "user", "tool", "assistant", "assistantx", " ", "\n", "a"]
+    rng = random.Random(0)
+    for _ in range(20_000):
+        text = "".join(rng.choice(pieces) for _ in range(rng.randint(0, 12)))
+        tags = rewards.as_tags(text)
+        assert tags == as_tags(text), text
+        assert rewards._without_information(tags) == information.sub(" ", tags), text
+        assert rewards._block_texts(tags, "<information>", "</information>") == information.findall(tags), text
+        assert rewards._searched(tags) == bool(answered.search(tags)), text
+
+
+def test_a_huge_answer_is_normalised_and_scored_in_linear_time():
+    import time
+    start = time.monotonic()
+    answer = "The Paris, a city; " * 20_000
+    assert token_f1(answer, ["Paris"]) > 0 and exact_match(answer, ["Paris"]) == 0.0
+    assert time.monotonic() - start < 5

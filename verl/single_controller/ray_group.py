@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
+import stat
 from pathlib import Path
 
 import ray
@@ -34,6 +36,7 @@ def start_ray(address: str | None, device: str):
     node's network interfaces, serve no one else. RAY_AUTH_MODE=disabled turns that off, with a warning."""
     if ray.is_initialized():
         return
+    private_auth_token(create=not address)
     if os.environ.get("RAY_AUTH_MODE") == "disabled":
         log.warning("RAY_AUTH_MODE=disabled: the Ray cluster's ports accept any client that reaches this "
                     "node; leave token authentication on outside a private network")
@@ -57,8 +60,42 @@ def start_ray(address: str | None, device: str):
                         "was killed?) and may hold GPU memory: `ray stop --force` ends them", leftovers)
         # address="local": a cluster of this run's own. Without an address Ray joins the latest
         # cluster started on the node, e.g. another run's, and this run's workers die when it ends.
+        # Ray's node agents (DashboardAgent, RuntimeEnvAgent) start with every raylet whatever the
+        # dashboard setting, and Ray has no switch for them: when the driver is killed outright they
+        # outlive it for a minute or two, trying to report the raylet's death to the dead GCS.
         ray.init(address="local", runtime_env=env, include_dashboard=False, log_to_driver=True,
                  num_cpus=max(os.cpu_count() or 1, 4))
+
+
+def private_auth_token(create: bool) -> Path | None:
+    """Keep the Ray cluster's token file readable by its owner only.
+
+    Ray writes a new cluster's token (~/.ray/auth_token, or RAY_AUTH_TOKEN_PATH) with the process
+    umask, readable by every user of the node under the usual one, and anyone who reads it can run
+    code in the cluster. With `create` (a cluster of this run's own) the token is written here first,
+    0600, so Ray finds it and writes none; a token file found readable by others is narrowed to 0600.
+    Only `create` writes a token: a driver that joins a cluster must use the cluster's."""
+    if os.environ.get("RAY_AUTH_MODE") == "disabled" or os.environ.get("RAY_AUTH_TOKEN"):
+        return None   # no token, or one from the environment: no file to protect
+    path = Path(os.environ.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token")
+    if create and not path.exists():
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:   # another run on the node wrote one meanwhile: the check below
+            pass
+        else:
+            with os.fdopen(fd, "w") as f:
+                f.write(secrets.token_hex(32))   # 256 bits, as Ray's own tokens
+            return path
+    if path.exists() and stat.S_IMODE(path.stat().st_mode) & 0o077:
+        try:
+            os.chmod(path, 0o600)
+            log.warning("the Ray token file %s was readable by other users of this node: narrowed to 0600", path)
+        except OSError as e:
+            log.warning("the Ray token file %s is readable by other users of this node and could not be "
+                        "narrowed (%s): run `chmod 600 %s`", path, e, path)
+    return path if path.exists() else None
 
 
 def leftover_workers(titles: tuple[bytes, ...] = (b"ray::PolicyWorker", b"ray::CriticWorker")) -> list[int]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import math
 import sys
 import textwrap
 from dataclasses import dataclass, field
@@ -254,8 +255,12 @@ class RolloutConfig:
     max_cudagraph_capture_size: int | None = key(2048, "vLLM: tokens of the largest engine step run as a CUDA "
                                                        "graph (larger steps launch kernels one by one); null: "
                                                        "vLLM's default")
+    # A child core steps as soon as the first request of a turn reaches it, while the rest are still
+    # on their way: which requests share a step is up to timing (vLLM gives no way to hold it).
     engine_core: str = key("auto", "vLLM: in_process | separate (the engine's scheduler and model in a child "
-                                   "process) | auto: separate on a GPU, in_process on CPU")
+                                   "process; not reproducible: batches form as requests arrive, so two runs, "
+                                   "or a run and its resume, sample differently) | auto: separate on a GPU, "
+                                   "in_process on CPU")
     # token id -> added to its logit before sampling, in training and validation rollouts alike. The
     # actor's log-probs do not see it: biased samples are off-policy by the bias (benchmarks, bans).
     logit_bias: dict[int, float] | None = key(None, "{token_id: bias} added to those tokens' logits when sampling, "
@@ -384,16 +389,16 @@ class HealthConfig:
                               "loss stops the run) | stop | rollback (to the newest checkpoint saved while healthy, "
                               "with the learning rate times lr_factor and a fresh sampling seed)")
     entropy_spike: float | None = key(3.0, "sign: the policy's entropy above this multiple of its median over the "
-                                           "previous `window` steps, or below its median divided by it; null: not "
-                                           "watched")
+                                           "previous `window` steps, or below its median divided by it; > 1; null: "
+                                           "not watched")
     max_kl: float | None = key(None, "sign: the KL to the reference (actor kl_loss or kl/reward_kl) above this; "
-                                     "null: not watched")
-    val_drop: float | None = key(0.2, "sign: validation reward/em below its best so far by more than this; null: "
-                                      "not watched")
+                                     "> 0; null: not watched")
+    val_drop: float | None = key(0.2, "sign: validation reward/em below its best so far by more than this; in "
+                                      "(0, 1); null: not watched")
     no_action_rise: float | None = key(0.5, "sign: the share of trajectories that took no action (agent/no_action, "
                                             "as the agent loop counts it: e.g. neither called a tool nor answered) "
                                             "above its lowest over the previous `window` steps by more than "
-                                            "this; null: not watched")
+                                            "this; in (0, 1); null: not watched")
     window: int = key(10, "steps of history the entropy and no-action signs compare with (the entropy sign "
                           "needs 3 of them, the no-action sign 1)")
     max_rollbacks: int = key(3, "rollbacks allowed in a run; one more sign after them stops it")
@@ -607,6 +612,7 @@ def _check_ranges(cfg: TrainerConfig) -> None:
     if bad:
         raise ConfigError(f"trainer.profile_steps={cfg.trainer.profile_steps}: list training steps, counted from 1")
     health = cfg.trainer.health
+    _check_health_signs(health)
     if health.action not in ("warn", "stop", "rollback"):
         raise ConfigError(f"trainer.health.action={health.action!r}: use warn, stop or rollback")
     if health.action == "rollback" and cfg.trainer.save_freq <= 0:
@@ -615,6 +621,27 @@ def _check_ranges(cfg: TrainerConfig) -> None:
     if not 0.0 < health.lr_factor <= 1.0 or health.window < 3 or health.max_rollbacks < 0:
         raise ConfigError(f"trainer.health: lr_factor={health.lr_factor} must lie in (0, 1], window="
                           f"{health.window} be at least 3 and max_rollbacks={health.max_rollbacks} at least 0")
+
+
+# What each sign's threshold means, as the range that gives it one. Outside it a sign fires on every
+# healthy step (entropy_spike <= 1, max_kl <= 0, a negative rise or drop) or can never fire (a rise or
+# drop of a share or EM of 1 or more, inf); nan compares false and would switch the sign off unseen.
+# null is the one way to switch a sign off.
+_HEALTH_SIGNS = {
+    "entropy_spike": (lambda v: v > 1, "> 1 (a multiple of the median entropy)"),
+    "max_kl": (lambda v: v > 0, "> 0 (the largest KL to the reference a healthy step shows)"),
+    "val_drop": (lambda v: 0 < v < 1, "in (0, 1) (a drop of validation EM below its best)"),
+    "no_action_rise": (lambda v: 0 < v < 1, "in (0, 1) (a rise of the share of trajectories that neither "
+                                            "searched nor answered)"),
+}
+
+
+def _check_health_signs(health: HealthConfig) -> None:
+    for name, (meaningful, meaning) in _HEALTH_SIGNS.items():
+        value = getattr(health, name)
+        if value is not None and not (math.isfinite(value) and meaningful(value)):
+            raise ConfigError(f"trainer.health.{name} must be {meaning} or null to switch the check off; "
+                              f"got {value}")
 
 
 @dataclass

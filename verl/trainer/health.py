@@ -20,8 +20,17 @@ from verl.trainer.config import HealthConfig
 NO_ACTION = "agent/no_action"
 
 
+# The metrics the signs read (the KL under either of its names): a nan or inf in one is a sign of
+# its own, whether or not its threshold is set, and never enters the history.
+WATCHED = ("entropy", "kl_loss", "kl/reward_kl", "val/reward/em", NO_ACTION)
+
+
 class Unhealthy(RuntimeError):
     """The run showed a collapse sign and trainer.health.action says stop (or rollbacks ran out)."""
+
+
+def _not_finite(value) -> bool:
+    return isinstance(value, (int, float)) and not math.isfinite(value)
 
 
 def non_finite_metrics(metrics: dict) -> list[str]:
@@ -45,7 +54,12 @@ class HealthWatch:
         """The signs this step's metrics show, each as a sentence; a step that shows none joins the
         history the next steps are compared with."""
         c = self.cfg
-        signs = [f"{k}={metrics[k]} is not finite" for k in non_finite_metrics(metrics)]
+        broken = non_finite_metrics(metrics)
+        broken += [k for k in WATCHED if k not in broken and _not_finite(metrics.get(k))]
+        # A nan compares false with every threshold, so the checks below would pass it: it is a sign
+        # here, and a step with a sign never joins the history.
+        signs = [f"{k}={metrics[k]} is not finite" for k in broken]
+        metrics = {k: v for k, v in metrics.items() if k not in broken}   # the thresholds read finite values
         entropy = metrics.get("entropy")
         if c.entropy_spike is not None and entropy is not None and len(self.entropy) >= 3:
             # Up: the policy writes gibberish. Down: it collapses onto one output in a few steps

@@ -72,6 +72,20 @@ def test_kl_above_its_limit_and_non_finite_losses_are_signs():
     assert watch.check(3, {"pg_loss": float("nan")}) == ["pg_loss=nan is not finite"]
 
 
+
+@pytest.mark.parametrize("metric", ["entropy", "kl/reward_kl", "val/reward/em", NO_ACTION])
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_a_non_finite_watched_metric_is_a_sign_and_never_enters_the_history(metric, value):
+    """A nan compares false with every threshold: it passed unflagged and, for the entropy, became
+    part of the median later steps were judged by."""
+    watch = _watch(max_kl=0.5)
+    healthy = {"entropy": 1.0, "kl/reward_kl": 0.1, "val/reward/em": 0.5, NO_ACTION: 0.1}
+    assert _steps(watch, [healthy] * 3) == [[]] * 3
+    assert watch.check(4, healthy | {metric: value}) == [f"{metric}={value} is not finite"]
+    assert list(watch.entropy) == [1.0] * 3 and list(watch.no_action) == [0.1] * 3 and watch.best_val == 0.5
+    unwatched = _watch(entropy_spike=None, val_drop=None, no_action_rise=None)   # a broken metric is a sign anyway
+    assert unwatched.check(1, {metric: value}) == [f"{metric}={value} is not finite"] and not unwatched.entropy
+
 def test_unset_keys_watch_nothing():
     watch = _watch(entropy_spike=None, val_drop=None, no_action_rise=None)
     rows = [{"entropy": 1.0, "val/reward/em": 0.9, NO_ACTION: 0.0}] * 3 + [{"entropy": 99.0, "val/reward/em": 0.0,
@@ -119,6 +133,32 @@ def test_health_keys_are_checked_at_load():
         load_config({"data": {"train_files": "x"}, "actor_rollout_ref": {"model": {"path": "m"}},
                      "trainer": {"health": {"action": "rollback"}}})
 
+
+
+@pytest.mark.parametrize("key, value, meaning", [
+    ("entropy_spike", 0.5, "> 1 (a multiple of the median entropy)"),
+    ("entropy_spike", 1.0, "> 1"), ("entropy_spike", 0.0, "> 1"), ("entropy_spike", -1.0, "> 1"),
+    ("max_kl", -1.0, "> 0 (the largest KL"), ("max_kl", 0.0, "> 0"),
+    ("val_drop", -0.1, "in (0, 1) (a drop of validation EM"), ("val_drop", 1.0, "in (0, 1)"),
+    ("no_action_rise", -0.1, "in (0, 1) (a rise of the share"), ("no_action_rise", 0.0, "in (0, 1)"),
+    ("no_action_rise", 1.5, "in (0, 1)"),
+    ("entropy_spike", float("nan"), "> 1"), ("max_kl", float("nan"), "> 0"), ("val_drop", float("nan"), "in (0, 1)"),
+    ("no_action_rise", float("nan"), "in (0, 1)"), ("entropy_spike", float("inf"), "> 1"), ("max_kl", float("inf"), "> 0"),
+])
+def test_health_thresholds_that_would_fire_every_step_or_never_are_refused_at_load(key, value, meaning):
+    """entropy_spike=0.5 or max_kl=-1 flagged every healthy step (max_kl=-1: three rollbacks, then a
+    stop); nan compared false and so switched a check off unseen. null is the way to switch one off."""
+    with pytest.raises(ConfigError) as e:
+        _cfg(**{key: value})
+    assert f"trainer.health.{key} must be {meaning}" in str(e.value)
+    assert f"or null to switch the check off; got {value}" in str(e.value)
+
+
+def test_meaningful_health_thresholds_and_null_load():
+    health = _cfg(entropy_spike=1.5, max_kl=0.01, val_drop=0.05, no_action_rise=0.9).trainer.health
+    assert (health.entropy_spike, health.max_kl, health.val_drop, health.no_action_rise) == (1.5, 0.01, 0.05, 0.9)
+    health = _cfg(entropy_spike=None, max_kl=None, val_drop=None, no_action_rise=None).trainer.health
+    assert health.entropy_spike is health.max_kl is health.val_drop is health.no_action_rise is None
 
 # ---------------------------------------------------------------- the learning rate after a rollback
 

@@ -12,7 +12,7 @@ from verl.tools.base import Tool, ToolArgumentError, ToolRunner, ToolSpec, build
 from verl.tools.chat import CHATML_TOOLS_TEMPLATE, ChatFormat, renders_tools
 from verl.workers.rollout.engines import Generation, SamplingConfig
 from verl.workers.rollout.multi_turn import Finish, Schedule
-from verl.workers.rollout.tool_loop import ToolAgentConfig, ToolCallingAgent, parse_call
+from verl.workers.rollout.tool_loop import MAX_CALL_CHARS, MAX_CALL_DEPTH, ToolAgentConfig, ToolCallingAgent, parse_call
 from search_r1.local_models import load_smollm2_tokenizer
 
 GREEDY = SamplingConfig(temperature=0, max_tokens=256)
@@ -138,6 +138,28 @@ def test_parse_call_reads_json_and_names_every_error():
     assert err == "malformed_calls"
 
 
+
+@pytest.mark.parametrize("nested", ["[" * 1000, '{"a":' * 1000, '{"name": "search", "arguments": "' + "[" * 1000 + '"}',
+                                    '{"name": "search", "arguments": {"q": ' + "[" * (MAX_CALL_DEPTH + 1) + "]" * (MAX_CALL_DEPTH + 1) + "}}"],
+                         ids=["arrays", "objects", "arguments-string", "just-past-the-bound"])
+def test_a_call_nested_too_deep_is_a_malformed_call_not_a_recursion_error(nested):
+    bad, err = parse_call(f"<tool_call>{nested}</tool_call>", {"search"})
+    assert err == "malformed_calls" and bad.name is None and f"more than {MAX_CALL_DEPTH} levels" in bad.error
+    ok, err = parse_call('<tool_call>{"name": "search", "arguments": {"q": "[[[[{{{{"}}</tool_call>', {"search"})
+    assert err is None and ok.arguments == {"q": "[[[[{{{{"}   # brackets inside strings are text
+
+
+def test_an_oversized_call_is_malformed_and_unclosed_openings_are_read_in_linear_time():
+    huge = '{"name": "search", "arguments": {"q": "' + "x" * MAX_CALL_CHARS + '"}}'
+    bad, err = parse_call(f"<tool_call>{huge}</tool_call>", {"search"})
+    assert err == "malformed_calls" and f"at most {MAX_CALL_CHARS}" in bad.error
+    start = time.monotonic()
+    bad, err = parse_call("<tool_call>x" * 50_000, {"search"})  # quadratic for a lazy regex
+    assert err == "malformed_calls" and "no <tool_call>" in bad.error and time.monotonic() - start < 1
+    ok, err = parse_call('<tool_call>{"name": "a"}</tool_call> <tool_call>x <tool_call>{"name": "search"}</tool_call>',
+                         {"a", "search"})
+    assert err == "malformed_calls"   # as before: the last block runs from its first opening tag
+
 # -- the chat template -----------------------------------------------------------------------------
 
 def test_smollm2_gets_our_chatml_tool_template_and_a_template_with_tools_is_kept(tokenizer, caplog):
@@ -219,6 +241,21 @@ def test_bad_calls_become_messages_to_the_model_and_are_counted(tokenizer, sched
     stats = failing.stats()
     assert stats.tool_failed and stats.metrics["tool_errors"] == 1 and stats.metrics["tool_calls"] == 1
 
+
+
+@pytest.mark.parametrize("schedule", list(Schedule))
+def test_a_deeply_nested_call_is_answered_as_malformed_in_every_schedule(tokenizer, schedule):
+    """A policy's `[[[[…` call once raised RecursionError inside the rollout: sync and continuous lost
+    the whole rollout, async marked the trajectory a timeout without counting it."""
+    scripts = {"Deep?": ["<tool_call>" + "[" * 1000 + "</tool_call>", "<answer> a </answer><eos>"],
+               "Fine?": [call_text("echo", {"text": "hi"}), "<answer> b </answer><eos>"]}
+    agent, chat, runner, prompts = make_agent(tokenizer, scripts, schedule=schedule, max_response_tokens=4096)
+    deep, fine = agent.run(prompts, SamplingConfig(temperature=0, max_tokens=2048))
+    runner.close()
+    told = tokenizer.decode([i for i, m in zip(deep.response_ids, deep.loss_mask) if not m])
+    assert f"more than {MAX_CALL_DEPTH} levels" in told and deep.metrics == {"malformed_calls": 1}
+    assert deep.finish == fine.finish == Finish.EOS and deep.invalid_actions == 1 and fine.tool_calls == 1
+    assert deep.stats().metrics["malformed_calls"] == 1
 
 def test_turn_and_length_limits(tokenizer):
     loop = [call_text("echo", {"text": "again"})]

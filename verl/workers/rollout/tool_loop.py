@@ -9,7 +9,10 @@ A turn: the model writes until `</tool_call>` (the engine stops there: nothing i
 complete call) or until it ends its message. A call is parsed as JSON `{"name", "arguments"}`;
 malformed JSON, an unknown tool or arguments the tool refuses go back to the model as the tool's
 answer, saying what was wrong, and are counted (`agent/malformed_calls`, `agent/unknown_tool_calls`,
-`agent/tool_argument_errors`); a tool that fails or times out is counted in `tool_failed`, which
+`agent/tool_argument_errors`). The policy writes the call, so its text is bounded before JSON reads it:
+a call longer than `MAX_CALL_CHARS` or nested deeper than `MAX_CALL_DEPTH` is a malformed call too
+(Python's JSON parser recurses once per level and would raise RecursionError, ending the rollout,
+on a thousand `[`). A tool that fails or times out is counted in `tool_failed`, which
 the trainer checks against `actor_rollout_ref.rollout.max_tool_failure_rate`. The tool message is appended with the
 template's own framing (`verl.tools.chat.ChatFormat`), closing the model's turn first: the model
 stopped at `</tool_call>`, so the end-of-turn marker is written by the loop, with the tool message,
@@ -22,7 +25,6 @@ turns and tool messages), `max_assistant_turns` the model's messages (so one few
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,8 +34,11 @@ from verl.trainer.config import MultiTurnConfig
 from verl.workers.rollout.agent_loop import AgentLoopSettings
 from verl.workers.rollout.multi_turn import Finish, MultiTurnAgent, Schedule, Trajectory, TurnConfig
 
-_CALL = re.compile(re.escape(CALL_OPEN) + r"(.*?)" + re.escape(CALL_CLOSE), re.DOTALL)
 CALL_HINT = f'Write {CALL_OPEN}{{"name": "<tool>", "arguments": {{...}}}}{CALL_CLOSE}.'
+# A real call is a name and a few arguments: a few levels deep and far shorter than this. The depth
+# bound sits well below Python's recursion limit, which json.loads would otherwise hit.
+MAX_CALL_CHARS = 32_768
+MAX_CALL_DEPTH = 32
 
 
 @dataclass
@@ -49,18 +54,65 @@ class ToolRequest:
     error: str | None = None
 
 
+def last_call_block(text: str) -> str | None:
+    """The text inside the last complete `<tool_call>…</tool_call>` of `text`, else None.
+
+    Blocks pair each opening tag with the first closing tag after it, left to right, as a lazy
+    regex would; scanning with str.find keeps it linear where a regex goes quadratic on thousands of
+    opening tags that are never closed."""
+    block, pos = None, 0
+    while (start := text.find(CALL_OPEN, pos)) != -1:
+        end = text.find(CALL_CLOSE, start + len(CALL_OPEN))
+        if end == -1:
+            break   # no later opening tag can be closed either
+        block, pos = text[start + len(CALL_OPEN):end], end + len(CALL_CLOSE)
+    return block
+
+
+def json_depth_exceeds(text: str, limit: int) -> bool:
+    """Whether the JSON-like `text` nests arrays/objects deeper than `limit` (brackets inside
+    strings do not count). One linear pass, so it is safe on any input the parser would see."""
+    depth, in_string, escaped = 0, False, False
+    for ch in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "[{":
+            depth += 1
+            if depth > limit:
+                return True
+        elif ch in "]}":
+            depth -= 1
+    return False
+
+
+def _bounded_json(text: str):
+    """json.loads after the size and depth checks; ValueError names what was too much."""
+    if len(text) > MAX_CALL_CHARS:
+        raise ValueError(f"the call is {len(text)} characters long; at most {MAX_CALL_CHARS} are read")
+    if json_depth_exceeds(text, MAX_CALL_DEPTH):
+        raise ValueError(f"the call nests more than {MAX_CALL_DEPTH} levels deep")
+    return json.loads(text)
+
+
 def parse_call(text: str, tool_names: set[str]) -> tuple[ToolRequest, str | None]:
     """The last complete `<tool_call>` block of `text` → (request, metric name of its error or None)."""
-    blocks = _CALL.findall(text)
-    if not blocks:
+    block = last_call_block(text)
+    if block is None:
         return ToolRequest(None, {}, f"Error: no {CALL_OPEN} before {CALL_CLOSE}. {CALL_HINT}"), "malformed_calls"
     try:
-        call = json.loads(blocks[-1].strip())
+        call = _bounded_json(block.strip())
         if not isinstance(call, dict) or not isinstance(call.get("name"), str):
             raise ValueError("expected an object with a string `name`")
         arguments = call.get("arguments", {})
         if isinstance(arguments, str):  # some models write the arguments as a JSON string
-            arguments = json.loads(arguments)
+            arguments = _bounded_json(arguments)
         if not isinstance(arguments, dict):
             raise ValueError("`arguments` must be an object")
     except ValueError as e:  # json.JSONDecodeError is a ValueError
