@@ -19,7 +19,7 @@ with the prompt that shows a worked question and its two searches, the response 
 (`--template example2_think`) and a `<think>` opened after each observation (the agent's
 turn_prefix), a reward for the valid format after a search and for retrieving the answer, and
 GRPO's advantages not divided by the group's reward spread (Dr.GRPO; benchmarks/RESULTS.md,
-"Reinforcement learning alone").
+"Reinforcement learning alone: the rl-only preset").
 On CPU the GRPO stage is a smoke run of the RL path (a few steps cannot move EM); the `gpu` preset
 is the one that shows what GRPO does.
 
@@ -102,31 +102,20 @@ PRESETS = {
                   grpo_prompts=32, grpo_n=5, lr=1e-5, response_length=128, grpo_minutes=10,
                   val_questions=100, test_freq=10, micro_batch=16),
 }
-# No SFT: the bundled model writes the tags in about 1 % of its samples, so with plain EM nearly every
-# group is flat. The worked example and a reward for the valid format (an answer in the wrong format
-# earns nothing, so answering at once does not pay) plus one for retrieving the gold answer are the
-# reward levers. The retrieval term pays only trajectories that end in an answer, as the original's
-# does: paying any, it taught this preset to search and never answer. Under that rule the bundled
-# model wrote no valid trajectory in 181 steps, so every group stayed flat and the policy never
-# moved; its responses therefore begin with "<think>" (template example_think), which almost half of
-# the samples then close, and about 2% go on to the valid format (benchmarks/RESULTS.md, "The rl-only
-# preset again"). On a GPU that gave a signal from the first step, and the policy then settled on
-# answering at once, without a search, for the format's reward alone: every valid sample of the
-# bundled model answers without searching (RESULTS.md, "The rl-only preset with the response begun
-# with <think>"). So the format is now paid only after a search (reward.format_needs_search), and the
-# agent opens a "<think>" after each observation too (turn_prefix), without which no searching sample of
-# the bundled model went on in the valid format; with it some do ("A next lever", same section).
-# On a GPU the policy then searched once with a query that found nothing and answered wrongly, for the
-# format's 0.2 again. GRPO's division by the group's reward spread makes a lone sample that breaks
-# the format weigh as much as a lone right answer; without it (Dr.GRPO advantages) a right answer
-# weighs four times more, and the policy left that plateau and learned the one-hop questions (the run
-# with the division was cut before the step where this one left it; RESULTS.md, "The rl-only preset
-# with the format paid after a search"). Most first rewarded samples searched for the worked
-# example's own city, which finds nothing: the example now shows its question too, and on a GPU
-# the policy then found passages from step 10. With the one-search example it searched once and
-# learned the one-hop questions only; the two-search example (example2_think) starts slower but
-# also answers most capitals and currencies after the first search, still with one search
-# (RESULTS.md, "The rl-only preset with the example's question shown").
+# No SFT: reinforcement learning alone from the bundled model, which writes the tags in about 1 % of
+# its samples, so under plain EM nearly every group is flat. Each setting below gives the first
+# rewarded samples a shape worth learning:
+# - the worked example (template example2_think) shows the format, its question and two searches,
+#   the second made from what the first returned; the response begins with "<think>", without which
+#   the model writes no valid trajectory;
+# - the agent opens a "<think>" after each observation (turn_prefix), so a sample that searched can
+#   still go on in the valid format;
+# - the reward pays the valid format only after a search (reward.format_needs_search), so a wrong
+#   answer given at once earns nothing, and adds a retrieval term for a valid answer whose passages
+#   held the gold;
+# - GRPO's advantages are not divided by the group's reward spread (Dr.GRPO): divided, a lone sample
+#   that breaks the format weighs as much as a lone right answer, which holds the policy on a plateau.
+# The evidence for each: benchmarks/RESULTS.md, "Reinforcement learning alone: the rl-only preset".
 PRESETS["rl-only"] = dataclasses.replace(
     PRESETS["gpu"], sft=False, template="example2_think", grpo_minutes=15, turn_prefix="<think>",
     grpo_keys=("reward.format_score=0.2", "reward.final_format_score=0", "reward.retrieval_score=0.3",

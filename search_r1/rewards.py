@@ -383,20 +383,19 @@ def compute_score(response: str, ground_truth: GroundTruth, *, format_score: flo
     - wrong+invalid but with a complete <answer> block -> `structure_bonus` instead of 0;
     - wrong+valid and a gold answer appears in some <information> block (the search found it
       but the model did not use it) -> `retrieval_score` is added. Only a valid trajectory, one
-      that ends in an answer, earns it, as in the original: paid on any trajectory, a policy
-      trained without SFT learned to search until it ran out of turns and never answer
-      (benchmarks/RESULTS.md, "The rl-only preset").
+      that ends in an answer, earns it, as in the original: paid on any trajectory, it also pays a
+      policy that searches and never answers (benchmarks/RESULTS.md, "The second hop and the
+      search cost").
     A correct answer then pays `search_cost` once per search the response made (per <information>
     block, i.e. per search the environment answered), so a policy can trade searches for accuracy.
-    Wrong answers pay nothing: with GRPO's advantages divided by each group's reward std, a cost on
-    every trajectory turns the groups where all answers are wrong (most groups early in training)
-    into a full-strength signal against searching, and a policy that searched and scored stopped
-    searching within a few steps (benchmarks/RESULTS.md, "Searching at a cost").
+    Wrong answers pay nothing for their searches: GRPO divides each group's advantages by its reward
+    std, so a cost on every trajectory would turn the groups where all answers are wrong (most
+    groups early in training) into a full-strength signal against searching (same section).
     With `format_needs_search`, a wrong answer earns `format_score` (or `structure_bonus`) only if
     the response searched at least once (a non-empty query the environment answered; an empty
-    <search></search> gets a correction, which does not count): the cheapest reward then
-    needs a search. Without it, a policy trained without SFT learned to answer at once, for the
-    format alone (benchmarks/RESULTS.md, "The rl-only preset with the response begun with <think>").
+    <search></search> gets a correction, which does not count): the cheapest reward then needs a
+    search, so a policy cannot settle on answering at once for the format alone
+    (benchmarks/RESULTS.md, "Reinforcement learning alone: the rl-only preset").
     The defaults (all 0) give plain EM, the paper's reward.
     """
     if not 0.0 <= format_score <= 1.0 or not 0.0 <= retrieval_score <= 1.0:

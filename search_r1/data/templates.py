@@ -39,9 +39,9 @@ _BASE = (
 # The instruct template with one worked trajectory, for training from a model that has never seen
 # the format (reinforcement learning without a supervised warm start): a model that never writes the
 # tags earns no reward, so nothing can be learned from its samples. The example's city is not in the
-# bundled corpus, so it answers none of the bundled questions. Its question is shown: without it, most
-# of the bundled model's rewarded samples searched for the example's city itself, which finds nothing
-# (benchmarks/RESULTS.md, "The rl-only preset with the format paid after a search").
+# bundled corpus, so it answers none of the bundled questions. Its question is shown, so that the
+# model searches for its own question's subject rather than copying the example's search, which
+# finds nothing (benchmarks/RESULTS.md, "Reinforcement learning alone: the rl-only preset").
 _EXAMPLE = _INSTRUCT.removesuffix("Question: {question}\n") + (
     "Here is how a search goes, for another question.\n"
     "Question: Which country is the city of Tartu in?\n"
@@ -53,10 +53,9 @@ _EXAMPLE = _INSTRUCT.removesuffix("Question: {question}\n") + (
     "Question: {question}\n"
 )
 
-# The same with two searches, the second made from what the first returned: the bundled model
-# imitates the example, and a policy trained from a one-search example searched once on every
-# question, two-hop ones included (same section). The question asks for the languages, which no
-# bundled question does, so the example answers none of them.
+# The same with two searches, the second made from what the first returned: the model imitates the
+# example's shape, and two-hop questions need the second step (same section). The question asks for
+# the languages, which no bundled question does, so the example answers none of them.
 _EXAMPLE2 = _INSTRUCT.removesuffix("Question: {question}\n") + (
     "Here is how a search goes, for another question.\n"
     "Question: Which languages are spoken in the country that Tartu is in?\n"
@@ -93,9 +92,9 @@ TEMPLATES: dict[str, str] = {"base": _BASE, "instruct": _INSTRUCT, "example": _E
 # Text the response starts with, written into the rows as an unfinished assistant message that the
 # model continues (verl.utils.dataset.response_prefix); the rewards read it as part of the response.
 # A model that never opens a <think> block never writes the valid format, which the original's
-# reward (and its retrieval term) requires: the bundled model, prompted with the worked example,
-# wrote no valid response in tens of thousands of samples; begun this way, almost half of its samples
-# close the block and go on, and about 2% are valid (benchmarks/RESULTS.md, "The rl-only preset again").
+# reward (and its retrieval term) requires; begun this way, the bundled model writes valid responses
+# often enough for GRPO's groups to hold a signal from the first step (benchmarks/RESULTS.md,
+# "Reinforcement learning alone: the rl-only preset").
 RESPONSE_PREFIXES: dict[str, str] = {"example_think": "<think>", "example2_think": "<think>"}
 
 
