@@ -265,8 +265,11 @@ class TwoStage(Retriever):
 
     two_stage = True
 
-    def __init__(self, inner, delay=0.0):
+    def __init__(self, inner, delay=0.0, memo=False):
         self.inner, self.delay = inner, delay
+        # memo: each query's real encoding is kept, so that a stage takes its delay and little more
+        # however busy the machine's cores are with other work.
+        self.memo: dict[str, np.ndarray] | None = {} if memo else None
         self.forget()
 
     def forget(self):
@@ -281,6 +284,10 @@ class TwoStage(Retriever):
             time.sleep(self.delay)
             if "POISON" in queries:
                 raise ValueError("cannot encode this")
+            if self.memo is not None:
+                if new := [q for q in dict.fromkeys(queries) if q not in self.memo]:
+                    self.memo.update(zip(new, self.inner.encode(new)))
+                return np.stack([self.memo[q] for q in queries])
             q_BD = self.inner.encode(queries)
             q_BD[[q == "BADLOOKUP" for q in queries]] = float("nan")
             return q_BD
@@ -492,9 +499,9 @@ def test_worker_process_start_up_errors_reach_the_command_line(dense_index, tmp_
 
 
 def test_work_nobody_waits_for_is_not_searched(real_retriever):
-    """Goodput under overload: queued requests whose X-Timeout-S passed (or whose client went away)
-    are dropped unsearched and answered 504, instead of being worked through after their clients
-    gave up while the clients still waiting time out."""
+    """Goodput under overload: queued requests whose X-Timeout-S passed, or would before they are
+    searched (or whose client went away), are dropped unsearched and answered 504, instead of being
+    worked through after their clients gave up while the clients still waiting time out."""
     slow = Wrapped(real_retriever)
     server = ThreadServer(create_app(slow, ServerConfig(max_batch=1, max_wait_ms=0)))
     # Slow only after the start-up probe: admission, which judges by the probe's rate, lets the
@@ -504,7 +511,7 @@ def test_work_nobody_waits_for_is_not_searched(real_retriever):
     try:
         with ThreadPoolExecutor(8) as pool:
             answers = list(pool.map(lambda i: post(server, {"queries": [f"capital {i}"]},
-                                                   headers={"X-Timeout-S": "0.3"}), range(8)))
+                                                   headers={"X-Timeout-S": "1"}), range(8)))
         codes = sorted(r.status_code for r in answers)
         assert codes.count(200) >= 1 and codes.count(504) >= 5, codes
         assert len(slow.calls) <= 3, slow.calls  # not one search per request
@@ -657,16 +664,18 @@ def test_a_timeout_storm_spends_the_work_on_clients_still_waiting(real_retriever
     """Clients that give up after X-Timeout-S and ask again at once, more than the server can
     answer in time: the queries it searches are (nearly) all ones whose answer is still read,
     instead of a multiple of them."""
-    two = TwoStage(real_retriever, delay=0.1)
+    two = TwoStage(real_retriever, delay=0.1, memo=True)
     server = ThreadServer(create_app(two, ServerConfig(max_batch=2, max_wait_ms=0, pipeline=pipeline)))
     two.forget()  # the start-up probe's calls
     answered = []
+    queries = [f"storm query {i}" for i in range(4)]
+    two.encode(queries)  # into the memo
 
     def client(i):
         end = time.monotonic() + 4
         while time.monotonic() < end:
             try:
-                r = post_with_timeout(server, [f"storm query {i}"], 1.0)
+                r = post_with_timeout(server, queries, 1.0)
             except httpx.TimeoutException:  # gave up as the server answered 504
                 answered.append("gave up")
                 continue
@@ -675,11 +684,11 @@ def test_a_timeout_storm_spends_the_work_on_clients_still_waiting(real_retriever
                 time.sleep(0.05)
 
     try:
-        with ThreadPoolExecutor(10) as pool:  # each batch of 2 takes ≥ 0.1 s per stage: ≤ 20 queries/s
+        with ThreadPoolExecutor(10) as pool:  # 40 queries asked at once, ≤ 20 answered a second
             list(pool.map(client, range(10)))
         searched = sum(n for _, _, n in two.intervals["lookup"])
-        read = answered.count(200)
-        assert read >= 5, answered
+        read = answered.count(200) * len(queries)
+        assert read >= 5 * len(queries), answered
         assert searched <= 1.25 * read + 4, (searched, read, {c: answered.count(c) for c in set(answered)})
     finally:
         server.stop()
@@ -688,14 +697,14 @@ def test_a_timeout_storm_spends_the_work_on_clients_still_waiting(real_retriever
 def test_each_busy_answer_says_which_limit_refused_it(real_retriever):
     """A full queue and a wait the queue would outlast are different troubles (raise --max_pending,
     or wait longer / go elsewhere): one text served both."""
-    slow = Wrapped(real_retriever, delay=0.3)
+    slow = Wrapped(real_retriever, delay=1.0)
     server = ThreadServer(create_app(slow, ServerConfig(max_pending=5, max_batch=2, max_wait_ms=0)))
     try:
         with ThreadPoolExecutor(8) as pool:
             load = [pool.submit(post, server, {"queries": ["a", "b"]}) for _ in range(2)]
             wait_for_pending(server, 4)
             full = post(server, {"queries": ["c", "d"]})  # 4 + 2 > 5
-            late = post_with_timeout(server, ["e"], 0.2)  # 4 + 1 fit, but take ≥ 0.6 s
+            late = post_with_timeout(server, ["e"], 0.2)  # 4 + 1 fit, but take ≥ 2 s
             [f.result() for f in load]
         assert full.status_code == late.status_code == 503
         assert "--max_pending" in full.json()["error"] and "X-Timeout-S" not in full.json()["error"]
