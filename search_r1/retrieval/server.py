@@ -390,8 +390,8 @@ class Batcher:
             items, saturated = taken
             # Encoded while its client still waited; the lookup is skipped if it no longer does.
             within_s = self._still_needs_s("lookup")
-            late = [j for j, _ in items if j.settled or j.expired(within_s)]
-            self._drop([j for j in late if not j.settled])
+            late = [j for j, _ in items if j.expired(within_s)]
+            self._drop(late)
             items = [(j, e) for j, e in items if j not in late]
             if not items:
                 continue
@@ -421,9 +421,9 @@ class Batcher:
         ends = np.cumsum([len(p) for p in parts])
         return [out[end - len(p):end] for p, end in zip(parts, ends)]
 
-    def _timed(self, stage: str, fn, batch, **kw):
+    def _timed(self, stage: str, fn, batch, topk: int | None = None):
         t = time.perf_counter()
-        results = fn(batch, **kw)
+        results = fn(batch) if topk is None else fn(batch, topk)
         seconds = time.perf_counter() - t
         with self.lock:
             before = self.call_s.get(stage)
@@ -450,8 +450,8 @@ class Batcher:
         """The batch's jobs leave `pending`. The rate counts only batches the last stage completed
         while more work waited (`saturated`), over the time since its previous batch: an idle gap
         or a trickle of requests would make the server look slower than it is. Earlier stages and
-        dropped jobs say nothing of it (the encoder releasing its failed jobs once reset the clock
-        mid-lookup, and the rate read 80 times too fast)."""
+        dropped jobs say nothing of it (the encoder releasing its failed jobs once restarted the clock
+        mid-lookup, and the rate read many times faster than the server answered)."""
         now = time.monotonic()
         with self.lock:
             freed = 0
