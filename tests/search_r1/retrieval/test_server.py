@@ -787,8 +787,8 @@ def test_a_body_not_sent_as_json_is_refused(real_retriever, pages):
     try:
         for path, body in (("/retrieve", {"queries": ["capital of Japan"]}), ("/access", {"urls": ["x"]})):
             data = json.dumps(body).encode()
-            for headers in ({"Content-Type": "text/plain;charset=UTF-8"}, {"Content-Type": "application/x-www-form-urlencoded"},
-                            {}):
+            for headers in ({"Content-Type": "text/plain;charset=UTF-8"},
+                            {"Content-Type": "application/x-www-form-urlencoded"}, {}):
                 r = httpx.post(server.url + path, content=data, headers=headers)
                 assert r.status_code == 415 and "application/json" in r.json()["error"], (path, headers, r.text)
             for content_type in ("application/json", "application/json; charset=utf-8", "Application/JSON"):
@@ -814,9 +814,10 @@ def test_the_api_key_can_come_from_a_file_and_on_the_command_line_is_warned_abou
     server = ServerProcess(["--retriever_name", "bm25", "--index_path", str(index), "--corpus_path",
                             str(corpus_jsonl), "--api_key_file", str(key_file)], tmp_path / "server.log")
     try:
-        assert "file-s3cret" not in (Path(f"/proc/{server.proc.pid}/cmdline").read_bytes().decode())
+        assert "file-s3cret" not in Path(f"/proc/{server.proc.pid}/cmdline").read_bytes().decode()
         assert post(server, {"queries": ["capital"]}).status_code == 401
-        assert post(server, {"queries": ["capital"]}, headers={"Authorization": "Bearer file-s3cret"}).status_code == 200
+        key = {"Authorization": "Bearer file-s3cret"}
+        assert post(server, {"queries": ["capital"]}, headers=key).status_code == 200
     finally:
         server.stop()
 
