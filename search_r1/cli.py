@@ -72,7 +72,10 @@ def _serve_parser(sub):
     _add(p, "topk", type=int, default=c.topk, action=RecordGiven, help="default top-k of a request")
     _add(p, "host", default="127.0.0.1", help="interface to listen on (0.0.0.0: every interface)")
     _add(p, "port", type=int, default=8000, help="port to listen on")
-    _add(p, "api_key", help="require `Authorization: Bearer KEY` (or set SEARCH_R1_API_KEY); with "
+    _add(p, "api_key_file", help="require `Authorization: Bearer KEY`, KEY read from this file "
+                                 "(or set SEARCH_R1_API_KEY)")
+    _add(p, "api_key", help="the same with KEY on the command line, where `ps` shows it to every user "
+                            "of the machine: prefer --api-key-file or SEARCH_R1_API_KEY; with "
                             "--retriever_name google and --cse_id, the Google API key, as in the original "
                             "Google launcher")
     _add(p, "max_batch", type=int, default=c.max_batch, help="queries per search call")
@@ -84,6 +87,8 @@ def _serve_parser(sub):
     _add(p, "max_query_chars", type=int, default=c.max_query_chars,
          help="a longer query gets a 413 (a dense encoder cuts queries at --query_max_length tokens)")
     _add(p, "max_body_bytes", type=int, default=c.max_body_bytes, help="a larger request body gets a 413")
+    _add(p, "max_access_response_bytes", type=int, default=c.max_access_response_bytes,
+         help="an /access answer that would be larger gets a 413 (a URL asked twice counts once)")
     _add(p, "header_timeout_s", type=float, default=c.header_timeout_s,
          help="seconds a connection may wait for a request's headers before it is closed")
     _add(p, "body_timeout_s", type=float, default=c.body_timeout_s,
@@ -100,9 +105,31 @@ def _serve_parser(sub):
     p.set_defaults(func=_serve)
 
 
-def _serve(args):
+def server_api_key(args) -> str | None:
+    """The key `serve` requires: --api-key-file, SEARCH_R1_API_KEY or --api-key (warned about: any
+    user of the machine reads a command line)."""
     import os
+    from pathlib import Path
 
+    if args.api_key and args.api_key_file:
+        raise ValueError("--api-key and --api-key-file both give the server's key: keep --api-key-file")
+    if args.api_key_file:
+        try:
+            key = Path(args.api_key_file).read_text(encoding="utf-8").strip()
+        except OSError as e:
+            raise ValueError(f"--api-key-file {args.api_key_file}: {e.strerror}") from None
+        if not key:
+            raise ValueError(f"--api-key-file {args.api_key_file} is empty: write the key into it")
+        return key
+    if args.api_key:
+        logging.getLogger("search_r1.cli").warning(
+            "--api-key puts the key on the command line, where every user of this machine can read it "
+            "(ps, /proc); pass --api-key-file FILE (readable by you alone) or set SEARCH_R1_API_KEY")
+        return args.api_key
+    return os.environ.get("SEARCH_R1_API_KEY") or None
+
+
+def _serve(args):
     from search_r1.retrieval.address_file import check_directory
     from search_r1.retrieval.factory import RetrieverArgs, build_retriever
     from search_r1.retrieval.launcher_flags import resolve_peer_flags
@@ -116,10 +143,11 @@ def _serve(args):
     cfg = ServerConfig(topk=args.topk, max_topk=args.max_topk,
                        max_queries_per_request=args.max_queries_per_request,
                        max_query_chars=args.max_query_chars, max_body_bytes=args.max_body_bytes,
+                       max_access_response_bytes=args.max_access_response_bytes,
                        max_batch=args.max_batch, max_wait_ms=args.max_wait_ms,
                        max_pending=args.max_pending, pipeline=args.pipeline,
                        header_timeout_s=args.header_timeout_s, body_timeout_s=args.body_timeout_s,
-                       api_key=args.api_key or os.environ.get("SEARCH_R1_API_KEY"))
+                       api_key=server_api_key(args))
     pages = None
     if args.pages_path:  # before the retriever, which takes far longer to load
         from search_r1.retrieval.corpus import Pages

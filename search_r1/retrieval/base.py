@@ -33,6 +33,10 @@ class Retriever(ABC):
     # default, encodes one batch in one thread while another looks up the batch before it. Each half
     # is still called from one thread only.
     two_stage: bool = False
+    # The server times one batch of made-up queries at start-up (so that it can refuse work that
+    # would outlast its clients' wait from the first request on). Off for engines that bill each
+    # query (the web engines).
+    probe_at_startup: bool = True
 
     @abstractmethod
     def search(self, queries: list[str], topk: int) -> list[list[Hit]]:

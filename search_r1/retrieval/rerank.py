@@ -85,6 +85,7 @@ class RerankRetriever(Retriever):
         self.reranker = reranker
         self.topk_retrieval = topk_retrieval
         self.max_topk = topk_retrieval
+        self.probe_at_startup = first_stage.probe_at_startup  # a web first stage bills the probe
 
     def search(self, queries: list[str], topk: int) -> list[list[Hit]]:
         if topk > self.topk_retrieval:

@@ -10,8 +10,14 @@ pipelined by default (`pipeline`): one thread encodes a batch while a second loo
 encoded before it, each stage owned by its thread. The queue is bounded (`max_pending` queries):
 past it the server answers 503 with Retry-After instead of growing memory; an empty queue takes a
 request of any allowed size whole. A request that says how long its client waits (`X-Timeout-S`)
-is also refused with 503 when the queries ahead of it, at the rate the worker has been answering,
-would outlast that wait: the queue holds what the server can answer in time, however fast it is. With `--worker_process` the retriever itself lives in a child
+is also refused with 503 when the queries ahead of it, at the rate the server answers while busy,
+would outlast that wait: the queue holds what the server can answer in time, however fast it is.
+That rate is timed at start-up on one batch of made-up queries (not for web engines, which charge
+per query) and then follows the batches the last stage completes while work was waiting, so the
+first burst after start is judged too. Work for a client that no longer waits is not done: a job
+whose deadline passed, or that the last batches' duration says cannot finish before it, is dropped
+before each stage (with the rest of its request), and the handler answers 504 at the deadline
+itself. With `--worker_process` the retriever itself lives in a child
 process (`worker_process.ProcessRetriever`) and the worker thread only passes batches to it.
 
 Differences from the original server:
@@ -20,7 +26,10 @@ Differences from the original server:
 - Each document is the whole corpus row, as in the original: extra fields such as `url` and
   `title` come back beside `id` and `contents`.
 - `/access` with `--pages_path` (ASearcher's and RLinf's servers): `{"urls": [...]}` answers
-  `{"result": [page row or null, ...]}`.
+  `{"result": [page row or null, ...]}`, one entry per URL in order. Unlike theirs, a URL asked again
+  in the same request is read and sent once: its later entries are `{"url", "contents": "",
+  "duplicate_of": i}`, i the index of its first entry. An answer over `max_access_response_bytes`
+  is refused (413): a short request naming large pages must not make the server build gigabytes.
 - Accepted as the original accepted them: `{"queries": []}` (→ `{"result": []}`), blank queries
   (what `<search> </search>` sends; BM25 finds nothing for them), requests of thousands of queries
   (up to `max_queries_per_request`), over-long queries (the encoder cuts them at its max length), and
@@ -29,7 +38,9 @@ Differences from the original server:
   request's shape (422), a query that is not valid Unicode such as a lone surrogate (400, before it
   reaches a batch), a `topk` out of range (400), more than `max_queries_per_request` queries, a query
   over `max_query_chars` characters or a body over `max_body_bytes` (413: split the request, do not
-  retry it), a wrong API key (401). These limits are far above what clients send; they stop abuse.
+  retry it), a wrong API key (401), a POST body not sent as `Content-Type: application/json` (415:
+  a web page may send `text/plain` across origins without asking, JSON it may not). These limits
+  are far above what clients send; they stop abuse.
   Stricter than the original: `topk` must be a JSON integer of at least 1 and `return_scores` a JSON
   boolean (its lax pydantic model read "3" as 3 and "yes" as true, and it took topk 0 for the default).
 - `/health` and `/metrics` exist.
@@ -49,6 +60,7 @@ import threading
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from enum import StrEnum
 from functools import partial
 
 import numpy as np
@@ -60,7 +72,7 @@ from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, StrictStr, Va
 from starlette.exceptions import HTTPException
 
 from search_r1.retrieval.base import Retriever
-from search_r1.retrieval.corpus import Pages
+from search_r1.retrieval.corpus import Pages, asearcher_url
 
 log = logging.getLogger(__name__)
 disable_created_metrics()  # keep /metrics to the series people graph
@@ -76,6 +88,9 @@ class ServerConfig:
     # Only against abuse as well: a dense encoder cuts a query at its max length, as the original did.
     max_query_chars: int = 100_000
     max_body_bytes: int = 256 << 20
+    # The most bytes one /access answer may hold. Pages run to megabytes: without a cap, a request
+    # of a few kilobytes naming them thousands of times makes the server build gigabytes.
+    max_access_response_bytes: int = 32 << 20
     max_batch: int = 512            # queries per encode+search call
     max_wait_ms: float = 2.0        # how long the worker waits to fill a batch
     max_pending: int = 16384        # queries queued before the server sheds load
@@ -114,7 +129,7 @@ class BadRequest(Exception):
         self.status = status
 
 
-@dataclass
+@dataclass(eq=False)
 class Job:
     queries: list[str]
     topk: int
@@ -122,14 +137,29 @@ class Job:
     loop: asyncio.AbstractEventLoop
     enqueued: float
     deadline: float | None = None   # time.monotonic() after which the client no longer waits
-    abandoned: bool = False         # the client disconnected
+    abandoned: bool = False         # the client went away or its request is answered 504 already
+    # The request's jobs, this one included: once one is dropped the request answers 504, and
+    # searching the others would be work nobody reads.
+    request: list[Job] | None = None
+    taken: bool = False             # a worker stage holds it (under the batcher lock)
+    settled: bool = False           # its queries no longer count in `pending` (under the lock)
 
-    def expired(self) -> bool:
-        return self.abandoned or (self.deadline is not None and time.monotonic() > self.deadline)
+    def expired(self, within_s: float = 0.0) -> bool:
+        """Whether its client no longer waits, or will not by the time `within_s` seconds of work
+        on it are done."""
+        return self.abandoned or (self.deadline is not None and time.monotonic() + within_s > self.deadline)
 
 
 class Expired(Exception):
-    """A job dropped unsearched: its client's deadline passed or it went away."""
+    """A job dropped unsearched: its client's deadline passed (or would before it is searched) or
+    it went away."""
+
+
+class Admission(StrEnum):
+    """What `Batcher.submit` did with a request."""
+    QUEUED = "queued"
+    QUEUE_FULL = "queue_full"   # past --max_pending queued queries
+    TOO_LATE = "too_late"       # the queue ahead would outlast the request's X-Timeout-S
 
 
 class Metrics:
@@ -155,17 +185,31 @@ class Metrics:
 class Batcher:
     """The worker thread that owns the retriever, or the two that own its two stages."""
 
+    # Made-up queries the start-up probe times (at most max_batch): enough for a batch's fixed
+    # costs to be shared, few enough that a server on CPU starts without a long wait. The rate it
+    # gives is a floor (smaller than the batches a busy server runs): the first bursts raise it.
+    PROBE_QUERIES = 64
+    # A stage's duration older than this many times itself (and at least STALE_MIN_S) is not
+    # trusted to drop work: measurements come only from calls made, so an estimate that had grown
+    # too long would otherwise drop every job after it, and nothing would correct it.
+    STALE_FACTOR, STALE_MIN_S = 4.0, 1.0
+
     def __init__(self, retriever: Retriever, cfg: ServerConfig, metrics: Metrics):
         self.retriever, self.cfg, self.metrics = retriever, cfg, metrics
         self.jobs: queue.Queue[Job | None] = queue.Queue()
         self.pending = 0  # queries queued or in flight; changed under the lock
         self.lock = threading.Lock()
-        self.rate: float | None = None  # queries/s answered while busy (moving average), under the lock
-        self._last_done: float | None = None  # when the last batch was released, if work was left
+        # Queries/s the last stage completes while work is waiting (moving average), under the lock.
+        self.rate: float | None = None
+        self._last_done: float | None = None  # when the last stage completed a batch, if work was left
+        # Seconds one call of each stage takes ("search", or "encode" and "lookup"; moving averages),
+        # and when one was last measured: what a job taken now still needs before it is answered.
+        self.call_s: dict[str, float] = {}
+        self._measured_at: float | None = None
         self.pipelined = cfg.pipeline and retriever.two_stage
         if self.pipelined:
             # One encoded batch waits at most: the encoder runs at most one batch ahead.
-            self.encoded: queue.Queue[list[tuple[Job, object]] | None] = queue.Queue(maxsize=1)
+            self.encoded: queue.Queue[tuple[list[tuple[Job, object]], bool] | None] = queue.Queue(maxsize=1)
             self.threads = [threading.Thread(target=self._run_encode, name="retrieval-encoder", daemon=True),
                             threading.Thread(target=self._run_lookup, name="retrieval-worker", daemon=True)]
         else:
@@ -183,28 +227,77 @@ class Batcher:
     def alive(self) -> bool:
         return all(t.is_alive() for t in self.threads)
 
-    def submit(self, jobs: list[Job], wait_s: float | None = None) -> bool:
+    def probe(self) -> None:
+        """Times the retriever on one batch of made-up queries before serving, so that admission
+        by expected wait judges the first burst after start too (it has no rate otherwise)."""
+        n = min(self.cfg.max_batch, self.PROBE_QUERIES)
+        queries = [f"start-up probe {i}: which river flows through the capital" for i in range(n)]
+        topk = min(self.cfg.topk, self.cfg.max_topk)
+        seconds: dict[str, float] = {}
+        try:
+            if self.pipelined:
+                t = time.perf_counter()
+                encoded = self.retriever.encode(queries)
+                seconds["encode"] = time.perf_counter() - t
+                t = time.perf_counter()
+                self.retriever.lookup(encoded, topk)
+                seconds["lookup"] = time.perf_counter() - t
+            else:
+                t = time.perf_counter()
+                self.retriever.search(queries, topk)
+                seconds["search"] = time.perf_counter() - t
+        except Exception:
+            log.exception("timing the retriever on %d made-up queries at start-up failed: requests "
+                          "with X-Timeout-S are admitted until the server has measured its rate", n)
+            return
+        with self.lock:
+            # As if the stages did not overlap: a floor, which the first busy batches raise.
+            self.rate = n / max(sum(seconds.values()), 1e-9)
+            self.call_s.update(seconds)
+        log.info("start-up probe: %d queries in %.3f s (%.0f queries/s until measured under load)",
+                 n, sum(seconds.values()), self.rate)
+
+    def submit(self, jobs: list[Job], wait_s: float | None = None) -> Admission:
         """Queue the jobs of one request, all or none. `wait_s`: how long its client waits."""
         n = sum(len(j.queries) for j in jobs)
         with self.lock:
             # An empty queue takes any request whole: one larger than max_pending (allowed up to
             # max_queries_per_request) would otherwise be refused forever.
             if self.pending and self.pending + n > self.cfg.max_pending:
-                return False
+                return Admission.QUEUE_FULL
             # Work that would expire in the queue is refused now, while the client can still go elsewhere.
             if self.pending and wait_s is not None and self.rate and (self.pending + n) / self.rate > wait_s:
-                return False
+                return Admission.TOO_LATE
             self.pending += n
             self.metrics.pending.set(self.pending)
             for job in jobs:
                 self.jobs.put(job)
-        return True
+        return Admission.QUEUED
 
-    def _next_batch(self) -> list[Job] | None:
-        while (first := self.jobs.get()) is not None and self._drop_if_expired(first):
-            pass
-        if first is None:
-            return None
+    def abandon(self, jobs: list[Job]) -> None:
+        """The handler gave up on these jobs (its client went away, or the request is answered
+        already): those still queued leave `pending` now, and no stage works on any of them."""
+        with self.lock:
+            dropped = 0
+            for job in jobs:
+                job.abandoned = True
+                if not job.taken and not job.settled:
+                    job.settled = True
+                    dropped += len(job.queries)
+            self.pending -= dropped
+            if not self.pending:
+                self._last_done = None
+            self.metrics.pending.set(self.pending)
+        self.metrics.expired.inc(dropped)
+
+    def _next_batch(self) -> tuple[list[Job], bool] | None:
+        """Jobs for one call of the first stage, and whether more work waited behind them (then the
+        batch measures how fast the server answers, not how fast requests came)."""
+        first = None
+        while first is None:
+            if (job := self.jobs.get()) is None:
+                return None
+            first = job if self._take(job) else None
         batch, n = [first], len(first.queries)
         deadline = time.monotonic() + self.cfg.max_wait_ms / 1000
         while n < self.cfg.max_batch:
@@ -215,58 +308,102 @@ class Batcher:
             if job is None:
                 self.jobs.put(None)  # keep the stop signal for the outer loop
                 break
-            if self._drop_if_expired(job):
-                continue
-            batch.append(job)
-            n += len(job.queries)
-        return batch
+            if self._take(job):
+                batch.append(job)
+                n += len(job.queries)
+        return batch, n >= self.cfg.max_batch or not self.jobs.empty()
 
-    def _drop_if_expired(self, job: Job) -> bool:
-        """Work nobody waits for any more is not searched: under overload, the queue would otherwise
-        be worked through for clients that gave up long ago, while the ones still waiting time out."""
-        if not job.expired():
-            return False
-        self.metrics.expired.inc(len(job.queries))
-        self._resolve(job, exc=Expired())
-        self._release([job], searched=False)
-        return True
+    def _take(self, job: Job) -> bool:
+        """Whether the first stage works on `job`. Work nobody will wait for is not done: under
+        overload the queue would otherwise be worked through for clients that gave up (or will have,
+        by the time their answer is ready), while the ones still waiting time out."""
+        within_s = self._still_needs_s("encode", "lookup") if self.pipelined else self._still_needs_s("search")
+        with self.lock:
+            if job.settled:  # its handler gave up on it while it was queued
+                return False
+            if not job.expired(within_s):
+                job.taken = True
+                return True
+        self._drop([job])
+        return False
+
+    def _drop(self, jobs: list[Job]) -> None:
+        """Answers the jobs 504 unsearched, and marks the other jobs of their requests abandoned:
+        the request is answered 504 now, so nobody reads what they would find."""
+        with self.lock:
+            dropped = 0
+            for job in jobs:
+                for other in job.request or [job]:
+                    other.abandoned = True
+                    if (other is job or not other.taken) and not other.settled:
+                        other.settled = True
+                        dropped += len(other.queries)
+            self.pending -= dropped
+            if not self.pending:
+                self._last_done = None
+            self.metrics.pending.set(self.pending)
+        self.metrics.expired.inc(dropped)
+        for job in jobs:
+            self._resolve(job, exc=Expired())
+
+    def _still_needs_s(self, *stages: str) -> float:
+        """Seconds of work a job taken now still needs: the last calls of the stages ahead of it;
+        0 when they were not measured lately (see STALE_FACTOR)."""
+        with self.lock:
+            needs = sum(self.call_s.get(stage, 0.0) for stage in stages)
+            if self._measured_at is None or \
+                    time.monotonic() - self._measured_at > max(self.STALE_MIN_S, self.STALE_FACTOR * needs):
+                return 0.0
+            return needs
 
     def _run(self):
-        while (batch := self._next_batch()) is not None:
+        while (taken := self._next_batch()) is not None:
+            batch, saturated = taken
             try:
                 topk = max(j.topk for j in batch)
-                search = partial(self._timed, self.retriever.search, topk=topk)
+                search = partial(self._timed, "search", self.retriever.search, topk=topk)
                 self._answer(batch, self._per_job([j.queries for j in batch], _concat, search))
             except Exception:  # a bug here must not kill the only worker
                 log.exception("retrieval worker failed on a batch")
             finally:
-                self._release(batch)
+                self._release(batch, last_stage=True, saturated=saturated)
 
     def _run_encode(self):
-        while (batch := self._next_batch()) is not None:
+        while (taken := self._next_batch()) is not None:
+            batch, saturated = taken
             try:
-                encoded = self._per_job([j.queries for j in batch], _concat, self.retriever.encode)
+                encode = partial(self._timed, "encode", self.retriever.encode)
+                encoded = self._per_job([j.queries for j in batch], _concat, encode)
                 failed = [(j, e) for j, e in zip(batch, encoded) if isinstance(e, Exception)]
                 self._answer([j for j, _ in failed], [e for _, e in failed])
-                self._release([j for j, _ in failed])
+                self._release([j for j, _ in failed], last_stage=False)
                 if len(failed) < len(batch):
-                    self.encoded.put([(j, e) for j, e in zip(batch, encoded) if not isinstance(e, Exception)])
+                    self.encoded.put(([(j, e) for j, e in zip(batch, encoded) if not isinstance(e, Exception)],
+                                      saturated))
             except Exception:  # a bug here must not kill the worker
                 log.exception("retrieval encoder failed on a batch")
-                self._release(batch)
+                self._release(batch, last_stage=False)
         self.encoded.put(None)
 
     def _run_lookup(self):
-        while (items := self.encoded.get()) is not None:
+        while (taken := self.encoded.get()) is not None:
+            items, saturated = taken
+            # Encoded while its client still waited; the lookup is skipped if it no longer does.
+            within_s = self._still_needs_s("lookup")
+            late = [j for j, _ in items if j.expired(within_s)]
+            self._drop(late)
+            items = [(j, e) for j, e in items if j not in late]
+            if not items:
+                continue
             batch = [j for j, _ in items]
             try:
                 topk = max(j.topk for j in batch)
-                lookup = partial(self._timed, self.retriever.lookup, topk=topk)
+                lookup = partial(self._timed, "lookup", self.retriever.lookup, topk=topk)
                 self._answer(batch, self._per_job([e for _, e in items], np.concatenate, lookup))
             except Exception:  # a bug here must not kill the worker
                 log.exception("retrieval worker failed on a batch")
             finally:
-                self._release(batch)
+                self._release(batch, last_stage=True, saturated=saturated)
 
     def _per_job(self, parts: list, join, fn) -> list:
         """fn over the jobs' parts joined, cut back into one result per job. If that call fails, fn
@@ -284,11 +421,17 @@ class Batcher:
         ends = np.cumsum([len(p) for p in parts])
         return [out[end - len(p):end] for p, end in zip(parts, ends)]
 
-    def _timed(self, fn, batch, topk):
+    def _timed(self, stage: str, fn, batch, topk: int | None = None):
         t = time.perf_counter()
-        results = fn(batch, topk)
-        self.metrics.search_time.observe(time.perf_counter() - t)
-        self.metrics.batch_size.observe(len(batch))
+        results = fn(batch) if topk is None else fn(batch, topk)
+        seconds = time.perf_counter() - t
+        with self.lock:
+            before = self.call_s.get(stage)
+            self.call_s[stage] = seconds if before is None else 0.8 * before + 0.2 * seconds
+            self._measured_at = time.monotonic()
+        if stage != "encode":  # the histograms time the search (the lookup when pipelined)
+            self.metrics.search_time.observe(seconds)
+            self.metrics.batch_size.observe(len(batch))
         return results
 
     def _answer(self, batch: list[Job], results: list):
@@ -303,24 +446,34 @@ class Batcher:
         with self.lock:
             return self.pending / self.rate if self.rate else None
 
-    def _release(self, batch: list[Job], searched: bool = True):
-        n = sum(len(j.queries) for j in batch)
+    def _release(self, batch: list[Job], last_stage: bool, saturated: bool = False):
+        """The batch's jobs leave `pending`. The rate counts only batches the last stage completed
+        while more work waited (`saturated`), over the time since its previous batch: an idle gap
+        or a trickle of requests would make the server look slower than it is. Earlier stages and
+        dropped jobs say nothing of it (the encoder releasing its failed jobs once restarted the clock
+        mid-lookup, and the rate read many times faster than the server answered)."""
         now = time.monotonic()
         with self.lock:
-            # The rate counts only time the worker was busy: from one release to the next while
-            # work was queued (an idle gap would make the server look slower than it is); jobs
-            # dropped unsearched cost nothing and do not count.
-            if searched and self._last_done is not None and now > self._last_done and n:
-                sample = n / (now - self._last_done)
-                self.rate = sample if self.rate is None else 0.8 * self.rate + 0.2 * sample
-            self.pending -= n
-            self._last_done = now if self.pending else None
+            freed = 0
+            for job in batch:
+                if not job.settled:
+                    job.settled = True
+                    freed += len(job.queries)
+            if last_stage:
+                n = sum(len(j.queries) for j in batch)
+                if saturated and n and self._last_done is not None and now > self._last_done:
+                    sample = n / (now - self._last_done)
+                    self.rate = sample if self.rate is None else 0.8 * self.rate + 0.2 * sample
+                self._last_done = now
+            self.pending -= freed
+            if not self.pending:
+                self._last_done = None
             self.metrics.pending.set(self.pending)
 
     @staticmethod
     def _resolve(job: Job, hits=None, exc: Exception | None = None):
         def done():
-            if job.future.done():  # the client went away
+            if job.future.done():  # answered already, or its handler gave up and cancelled it
                 return
             if exc is not None:
                 job.future.set_exception(exc)
@@ -342,7 +495,7 @@ def _validate(req: RetrieveRequest, cfg: ServerConfig) -> int:
     return topk
 
 
-def _deadline(request: Request) -> float | None:
+def _client_wait_s(request: Request) -> float | None:
     """A client may say how long it waits (`X-Timeout-S: seconds`, as our client does): queued work
     past that is dropped instead of searched."""
     value = request.headers.get("x-timeout-s")
@@ -354,21 +507,33 @@ def _deadline(request: Request) -> float | None:
         seconds = -1.0
     if not seconds > 0:
         raise BadRequest(f"X-Timeout-S: {value!r}: give the seconds the client waits, a positive number")
-    return time.monotonic() + seconds
+    return seconds
 
 
-async def _wait_unless_abandoned(request: Request, jobs: list[Job], poll_s: float = 0.5) -> list | None:
-    """The jobs' results (an exception where one failed), or None once the client disconnected, in
-    which case the jobs still queued are marked abandoned."""
+async def _wait_unless_abandoned(request: Request, jobs: list[Job], batcher: Batcher,
+                                 deadline: float | None, poll_s: float = 0.5) -> list | None:
+    """The jobs' results (an exception where one failed), or None once the client disconnected.
+    A failed or dropped job, or the request's deadline, answers at once (the last as an `Expired`
+    part): the client no longer waits or the request cannot succeed, so the jobs left are abandoned
+    (those still queued are never searched)."""
     futures = [j.future for j in jobs]
-    while True:
-        _, pending = await asyncio.wait(futures, timeout=poll_s)
-        if not pending:
-            return [f.exception() or f.result() for f in futures]
-        if await request.is_disconnected():
-            for job in jobs:
-                job.abandoned = True
-            return None
+    try:
+        while True:
+            timeout = poll_s if deadline is None else min(poll_s, max(0.0, deadline - time.monotonic()))
+            done, pending = await asyncio.wait(futures, timeout=timeout, return_when=asyncio.FIRST_EXCEPTION)
+            if not pending:
+                return [f.exception() or f.result() for f in futures]
+            if failed := [f.exception() for f in done if f.exception() is not None]:
+                return failed
+            if deadline is not None and time.monotonic() >= deadline:
+                return [Expired()]
+            if await request.is_disconnected():
+                return None
+    finally:
+        if any(not f.done() for f in futures):
+            batcher.abandon(jobs)
+            for f in futures:
+                f.cancel()  # the worker's answer, if one still comes, goes nowhere
 
 
 def _check_texts(texts: list[str], field: str, cfg: ServerConfig) -> None:
@@ -400,7 +565,15 @@ def _encodable(text: str) -> bool:
 
 async def _read_json(request: Request, max_bytes: int, timeout_s: float = 60.0):
     """The request body parsed as JSON, read no further than `max_bytes` and for no longer than
-    `timeout_s` (408 after it)."""
+    `timeout_s` (408 after it). Only a body sent as JSON is read (415 otherwise): a web page can make
+    a browser POST `text/plain` (or untyped) bodies to any address without asking, so a server on
+    127.0.0.1 without a key would answer any site its user visits; `application/json` needs the
+    server's consent first (a CORS preflight, which this server never grants)."""
+    media_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if media_type != "application/json":
+        raise BadRequest(f"the body is sent as {media_type or 'no content type'!r}; send it as JSON with "
+                         "`Content-Type: application/json` (requests.post(url, json=...), "
+                         "curl -H 'Content-Type: application/json')", 415)
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > max_bytes:
         raise BadRequest(f"the body has {int(declared):,} bytes; this server takes at most {max_bytes:,} "
@@ -449,6 +622,31 @@ class UnknownFields:
                         endpoint, name, f" (did you mean {close[0]!r}?)" if close else "")
 
 
+def _access_body(pages: Pages, urls: list[str], max_bytes: int) -> bytes:
+    """The /access answer as JSON: one entry per URL, in order. A URL asked again is read and sent
+    once; its later entries point at the first (`duplicate_of`) with empty contents, so that a
+    client reading `page["contents"]` still works. Refused (413) as soon as the answer would pass
+    `max_bytes`, before the remaining pages are read."""
+    first: dict[str, int] = {}
+    parts: list[bytes] = []
+    size = 0
+    for i, url in enumerate(urls):
+        key = asearcher_url(url)
+        if key in first:
+            j = first[key]
+            page = None if parts[j] == b"null" else {"url": key, "contents": "", "duplicate_of": j}
+        else:
+            first[key] = i
+            page = pages.get(url)
+        parts.append(json.dumps(page, ensure_ascii=False).encode())
+        size += len(parts[-1]) + 2
+        if size > max_bytes:
+            raise BadRequest(f"the pages asked for come to more than {max_bytes:,} bytes, the most one "
+                             "/access answer holds (--max_access_response_bytes): ask for fewer URLs per "
+                             "request", 413)
+    return b'{"result": [' + b", ".join(parts) + b"]}"
+
+
 RETRIEVE_SHAPE = '{"queries": [str, ...], "topk": int, "return_scores": bool}'
 ACCESS_SHAPE = '{"urls": [str, ...]}'
 
@@ -464,6 +662,8 @@ def create_app(retriever: Retriever, cfg: ServerConfig | None = None, name: str 
     @asynccontextmanager
     async def lifespan(app):
         retriever.warmup()  # first-call costs (CUDA kernels, tuning) before the first request
+        if retriever.probe_at_startup:
+            batcher.probe()
         batcher.start()
         yield
         batcher.stop()
@@ -484,9 +684,25 @@ def create_app(retriever: Retriever, cfg: ServerConfig | None = None, name: str 
         return Response(json.dumps(payload, ensure_ascii=False), media_type="application/json")
 
     def authorized(request: Request) -> bool:
+        if not cfg.api_key:
+            return True
+        # The scheme is case-insensitive (RFC 7235): `bearer KEY` is as good as `Bearer KEY`.
+        scheme, _, token = request.headers.get("authorization", "").strip().partition(" ")
         # compare_digest: the time taken does not tell how much of a guessed token was right
-        return not cfg.api_key or hmac.compare_digest(request.headers.get("authorization", "").encode(),
-                                                      f"Bearer {cfg.api_key}".encode())
+        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), cfg.api_key.encode())
+
+    def busy(admission: Admission, n: int, wait_s: float | None) -> JSONResponse:
+        """503 for a request the queue did not take, saying which limit refused it."""
+        pending, wait = batcher.pending, batcher.expected_wait_s()
+        retry_after = {"Retry-After": str(max(1, math.ceil(wait or 1)))}
+        if admission == Admission.QUEUE_FULL:
+            return error(503, f"server busy: {pending:,} queries are queued and {n:,} more would pass "
+                              f"its limit of {cfg.max_pending:,} (--max_pending); retry after "
+                              "Retry-After seconds", **retry_after)
+        return error(503, f"server busy: the {pending:,} queries queued would outlast this request's "
+                          f"X-Timeout-S of {wait_s:g} s (about {wait or 0:.1f} s at the "
+                          f"{batcher.rate or 0:,.0f} queries/s this server answers); retry after Retry-After "
+                          "seconds, or elsewhere", **retry_after)
 
     # Every error answers {"error": ...}, Starlette's own (unknown path, wrong method) included.
     @app.exception_handler(HTTPException)
@@ -499,7 +715,7 @@ def create_app(retriever: Retriever, cfg: ServerConfig | None = None, name: str 
 
     @app.post("/retrieve")
     async def retrieve(request: Request):
-        t0 = time.perf_counter()
+        t0, arrived = time.perf_counter(), time.monotonic()
         if not authorized(request):  # before the body is read
             return error(401, "missing or wrong bearer token (Authorization: Bearer <api key>)")
         try:
@@ -512,22 +728,26 @@ def create_app(retriever: Retriever, cfg: ServerConfig | None = None, name: str 
         if not req.queries:
             return answer({"result": []})
         try:
-            deadline = _deadline(request)
+            wait_s = _client_wait_s(request)
         except BadRequest as e:
             return error(e.status, str(e))
+        # The client's clock started when it sent the request, before its body was read.
+        deadline = None if wait_s is None else arrived + wait_s
         loop = asyncio.get_running_loop()
         jobs = [Job(req.queries[lo:lo + cfg.max_batch], topk, loop.create_future(), loop, time.monotonic(), deadline)
                 for lo in range(0, len(req.queries), cfg.max_batch)]
-        if not batcher.submit(jobs, None if deadline is None else deadline - time.monotonic()):
+        for job in jobs:
+            job.request = jobs
+        admission = batcher.submit(jobs, None if deadline is None else deadline - time.monotonic())
+        if admission != Admission.QUEUED:
             metrics.rejected.inc()
-            wait = batcher.expected_wait_s()
-            return error(503, "server busy: the queued queries would outlast the wait, retry later",
-                         **{"Retry-After": str(max(1, math.ceil(wait or 1)))})
-        parts = await _wait_unless_abandoned(request, jobs)
+            return busy(admission, len(req.queries), wait_s)
+        parts = await _wait_unless_abandoned(request, jobs, batcher, deadline)
         if parts is None:  # the client went away; its queued jobs are dropped unsearched
             return error(499, "client disconnected")
         if any(isinstance(p, Expired) for p in parts):
-            return error(504, "the request's X-Timeout-S passed before all its queries were searched")
+            return error(504, "the request's X-Timeout-S passed, or would have, before all its queries "
+                              "were searched")
         failed = next((p for p in parts if isinstance(p, BaseException)), None)
         if failed is not None:
             metrics.errors.inc()
@@ -552,9 +772,14 @@ def create_app(retriever: Retriever, cfg: ServerConfig | None = None, name: str 
             _check_texts(req.urls, "urls", cfg)
         except BadRequest as e:
             return error(e.status, str(e))
-        # Off the event loop: a page not in the OS cache is read from disk.
-        found = await asyncio.to_thread(lambda: [pages.get(url) for url in req.urls])
-        return answer({"result": found})
+        # Off the event loop: a page not in the OS cache is read from disk, and a large answer
+        # takes a while to encode (/health must answer meanwhile).
+        try:
+            body = await asyncio.to_thread(_access_body, pages, req.urls, cfg.max_access_response_bytes)
+        except BadRequest as e:
+            return error(e.status, str(e))
+        metrics.requests.labels("200").inc()
+        return Response(body, media_type="application/json")
 
     @app.get("/health")
     async def health():
@@ -562,7 +787,8 @@ def create_app(retriever: Retriever, cfg: ServerConfig | None = None, name: str 
         if problem := retriever.health_problem():
             problems.append(problem)
         body = {"status": "unhealthy" if problems else "ok", "retriever": name, "pending_queries": batcher.pending,
-                "worker_alive": batcher.alive(), "pipelined": batcher.pipelined, "stats": retriever.stats(),
+                "worker_alive": batcher.alive(), "pipelined": batcher.pipelined,
+                "queries_per_s": round(batcher.rate, 1) if batcher.rate else None, "stats": retriever.stats(),
                 "pages": len(pages) if pages is not None else 0}
         if problems:  # 503: load balancers and the trainer's start-up check read the status
             return JSONResponse({**body, "problems": problems}, status_code=503)

@@ -13,7 +13,8 @@ API keys come from environment variables, or from the caller (`credentials`: `se
 passes the original launchers' `--serp_api_key`, `--api_key` and `--cse_id` this way), which win
 over the environment. They are never logged, cached or put into error messages: Google and SerpAPI
 take the key in the query string, and httpx logs every request URL at INFO, so a filter on the
-`httpx` logger blanks the key there.
+`httpx` logger blanks every credential there (Google's search engine id too: with the key it is
+what spends the account's quota).
 
 A query that still fails after its retries yields an empty hit list (counted in `errors`, logged
 as a warning) instead of failing the batch: one flaky request should not stop a training step.
@@ -59,7 +60,8 @@ DEFAULT_URLS = {
     WebEngine.BING: "https://api.bing.microsoft.com/v7.0/search",
 }
 MAX_TOPK = {WebEngine.SERPAPI: 100, WebEngine.GOOGLE: 10, WebEngine.BRAVE: 20, WebEngine.BING: 50}
-# The first variable of each engine holds the secret; GOOGLE_CSE_ID only names the search engine.
+# Every variable an engine needs is a credential, kept out of logs, errors and the cache: the first
+# holds the key; GOOGLE_CSE_ID names the account's search engine.
 KEY_ENV = {
     WebEngine.SERPAPI: ("SERPAPI_API_KEY",),
     WebEngine.GOOGLE: ("GOOGLE_API_KEY", "GOOGLE_CSE_ID"),
@@ -104,13 +106,14 @@ class WebSearchRetriever(Retriever):
             raise ValueError(f"serp_engine={serp_engine!r} is SerpAPI's; {self.engine} takes none")
         self.serp_engine = serp_engine
         self._credentials = _read_credentials(self.engine, credentials or {})
-        self._secret = self._credentials[KEY_ENV[self.engine][0]]
-        _HTTPX_REDACTION.secrets.add(self._secret)
+        self._secrets = set(self._credentials.values())
+        _HTTPX_REDACTION.secrets.update(self._secrets)
 
         self.url = base_url or DEFAULT_URLS[self.engine]
         if httpx.URL(self.url).scheme not in ("http", "https"):
             raise ValueError(f"base_url {self.url!r} must be an http:// or https:// URL")
         self.max_topk = MAX_TOPK[self.engine]
+        self.probe_at_startup = False  # every query is billed
         self.retries, self.backoff, self.max_backoff = retries, backoff, max_backoff
         self.errors = 0  # queries that got no answer, since construction
         self.answered = 0  # queries the engine answered (cache hits not counted)
@@ -208,7 +211,7 @@ class WebSearchRetriever(Retriever):
         return min(self.backoff * 2 ** attempt, self.max_backoff) * random.uniform(0.5, 1.0)
 
     def _redact(self, text: str) -> str:
-        return _redact(text, {self._secret})
+        return _redact(text, self._secrets)
 
 
 class _QueryFailed(Exception):
@@ -298,7 +301,7 @@ def _redact(text: str, secrets: set[str]) -> str:
 
 
 class _RedactSecrets(logging.Filter):
-    """Blanks API keys in the request URLs that httpx logs at INFO."""
+    """Blanks credentials in the request URLs that httpx logs at INFO."""
 
     def __init__(self):
         super().__init__()

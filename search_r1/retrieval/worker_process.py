@@ -34,7 +34,7 @@ def _child(conn, build: Callable[[], Retriever]) -> None:
         except Exception:  # an exception that does not pickle
             conn.send(("error", RuntimeError(f"{type(e).__name__}: {e}")))
         return
-    conn.send(("ready", retriever.max_topk))
+    conn.send(("ready", (retriever.max_topk, retriever.probe_at_startup)))
     while True:
         try:
             msg = conn.recv()
@@ -75,7 +75,7 @@ class ProcessRetriever(Retriever):
         if kind == "error":  # the child's own exception (a missing file, mismatched sizes, …)
             self._proc.join(5)
             raise payload
-        self.max_topk = payload
+        self.max_topk, self.probe_at_startup = payload
         log.info("retrieval worker process %d ready", self._proc.pid)
 
     def search(self, queries: list[str], topk: int) -> list[list[Hit]]:

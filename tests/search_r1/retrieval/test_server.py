@@ -3,6 +3,7 @@
 import json
 import os
 import threading
+from pathlib import Path
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -144,6 +145,7 @@ def test_large_request_is_split_into_batches_and_admitted_on_an_empty_queue(real
     wrapped = Wrapped(real_retriever)
     cfg = ServerConfig(max_batch=16, max_pending=32, max_wait_ms=0, max_queries_per_request=200)
     server = ThreadServer(create_app(wrapped, cfg))
+    wrapped.calls.clear()  # the start-up probe's
     try:
         queries = [f"capital of {c}" for c in ("Japan", "France", "Peru", "Kenya", "Canada")] * 20
         r = post(server, {"queries": queries, "topk": 1, "return_scores": True})
@@ -162,6 +164,7 @@ def test_large_request_is_split_into_batches_and_admitted_on_an_empty_queue(real
 def test_lone_surrogate_is_refused_before_it_reaches_a_batch(real_retriever):
     wrapped = Wrapped(real_retriever)
     server = ThreadServer(create_app(wrapped, ServerConfig()))
+    wrapped.calls.clear()  # the start-up probe's
     try:
         r = httpx.post(server.url + "/retrieve", content=b'{"queries": ["ok", "bad \\udc80 one"]}',
                        headers={"content-type": "application/json"})
@@ -240,6 +243,7 @@ def real_retriever(dense_index, corpus_jsonl):
 def test_cross_request_batching_and_one_bad_request(real_retriever):
     wrapped = Wrapped(real_retriever, delay=0.05)
     server = ThreadServer(create_app(wrapped, ServerConfig(max_wait_ms=50)))
+    wrapped.calls.clear()  # the start-up probe's
     try:
         bodies = [{"queries": ["capital of Japan"]}, {"queries": ["POISON"]},
                   {"queries": ["red planet", "largest river"]}] * 3
@@ -261,8 +265,14 @@ class TwoStage(Retriever):
 
     two_stage = True
 
-    def __init__(self, inner, delay=0.0):
+    def __init__(self, inner, delay=0.0, memo=False):
         self.inner, self.delay = inner, delay
+        # memo: each query's real encoding is kept, so that a stage takes its delay and little more
+        # however busy the machine's cores are with other work.
+        self.memo: dict[str, np.ndarray] | None = {} if memo else None
+        self.forget()
+
+    def forget(self):
         self.intervals = {"encode": [], "lookup": []}  # (start, end, queries) of every call
 
     def search(self, queries, topk):
@@ -274,6 +284,10 @@ class TwoStage(Retriever):
             time.sleep(self.delay)
             if "POISON" in queries:
                 raise ValueError("cannot encode this")
+            if self.memo is not None:
+                if new := [q for q in dict.fromkeys(queries) if q not in self.memo]:
+                    self.memo.update(zip(new, self.inner.encode(new)))
+                return np.stack([self.memo[q] for q in queries])
             q_BD = self.inner.encode(queries)
             q_BD[[q == "BADLOOKUP" for q in queries]] = float("nan")
             return q_BD
@@ -294,6 +308,7 @@ class TwoStage(Retriever):
 def test_pipelined_worker_batches_and_a_bad_request_in_either_stage(real_retriever):
     two = TwoStage(real_retriever, delay=0.05)
     server = ThreadServer(create_app(two, ServerConfig(max_wait_ms=50, pipeline=True)))
+    two.forget()  # the start-up probe's calls
     try:
         assert httpx.get(server.url + "/health").json()["pipelined"] is True
         bodies = [{"queries": ["capital of Japan"]}, {"queries": ["POISON"]}, {"queries": ["BADLOOKUP"]},
@@ -484,15 +499,19 @@ def test_worker_process_start_up_errors_reach_the_command_line(dense_index, tmp_
 
 
 def test_work_nobody_waits_for_is_not_searched(real_retriever):
-    """Goodput under overload: queued requests whose X-Timeout-S passed (or whose client went away)
-    are dropped unsearched and answered 504, instead of being worked through after their clients
-    gave up while the clients still waiting time out."""
-    slow = Wrapped(real_retriever, delay=0.4)
+    """Goodput under overload: queued requests whose X-Timeout-S passed, or would before they are
+    searched (or whose client went away), are dropped unsearched and answered 504, instead of being
+    worked through after their clients gave up while the clients still waiting time out."""
+    slow = Wrapped(real_retriever)
     server = ThreadServer(create_app(slow, ServerConfig(max_batch=1, max_wait_ms=0)))
+    # Slow only after the start-up probe: admission, which judges by the probe's rate, lets the
+    # requests in, and it is the queue that must drop those whose clients gave up.
+    slow.delay = 0.4
+    slow.calls.clear()
     try:
         with ThreadPoolExecutor(8) as pool:
             answers = list(pool.map(lambda i: post(server, {"queries": [f"capital {i}"]},
-                                                   headers={"X-Timeout-S": "0.3"}), range(8)))
+                                                   headers={"X-Timeout-S": "1"}), range(8)))
         codes = sorted(r.status_code for r in answers)
         assert codes.count(200) >= 1 and codes.count(504) >= 5, codes
         assert len(slow.calls) <= 3, slow.calls  # not one search per request
@@ -511,6 +530,7 @@ def test_work_that_would_expire_in_the_queue_is_refused_at_once(real_retriever):
     queueing until 504; requests without the header queue as before."""
     slow = Wrapped(real_retriever, delay=0.25)
     server = ThreadServer(create_app(slow, ServerConfig(max_batch=1, max_wait_ms=0)))
+    slow.calls.clear()  # the start-up probe's
     try:
         with ThreadPoolExecutor(6) as pool:  # measure the rate: a few searches back to back
             assert all(r.status_code == 200 for r in pool.map(
@@ -578,3 +598,239 @@ def test_slow_clients_cannot_hold_connections(real_retriever):
     finally:
         server.should_exit = True
         thread.join(10)
+
+
+# -- admission by expected wait, and work for clients that no longer wait ----------------------------
+
+def post_with_timeout(server, queries, timeout_s):
+    """A client like ours: it sends its read timeout as X-Timeout-S and stops waiting after it."""
+    return httpx.post(server.url + "/retrieve", json={"queries": queries}, timeout=timeout_s,
+                      headers={"X-Timeout-S": f"{timeout_s:g}"})
+
+
+def wait_for_pending(server, n, limit_s=10):
+    deadline = time.monotonic() + limit_s
+    while httpx.get(server.url + "/health").json()["pending_queries"] < n:
+        assert time.monotonic() < deadline, "the load never queued"
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize("pipeline", [True, False], ids=["pipelined", "one-thread"])
+def test_a_request_behind_a_queue_it_cannot_outwait_is_refused_at_once_from_the_first_burst(
+        real_retriever, pipeline):
+    """The first burst after start: without a rate measured at start-up the server had nothing to
+    judge it by, and pipelined its measured rate was many times too fast, so the request queued
+    until its X-Timeout-S passed (504) instead of being refused at once (503)."""
+    two = TwoStage(real_retriever, delay=0.1)  # each batch of 2 takes ≥ 0.1 s per stage
+    server = ThreadServer(create_app(two, ServerConfig(max_batch=2, max_wait_ms=0, pipeline=pipeline)))
+    try:
+        with ThreadPoolExecutor(10) as pool:
+            load = [pool.submit(post, server, {"queries": [f"capital {i}", f"river {i}"]}) for i in range(10)]
+            wait_for_pending(server, 12)  # ≥ 0.6 s of work queued
+            started = time.monotonic()
+            r = post_with_timeout(server, ["capital of Japan"], 0.5)
+            answered_s = time.monotonic() - started
+            assert [f.result().status_code for f in load] == [200] * 10
+        assert r.status_code == 503 and answered_s < 0.3, (r.status_code, r.text, answered_s)
+        assert "X-Timeout-S of 0.5 s" in r.json()["error"] and "--max_pending" not in r.json()["error"]
+        assert int(r.headers["Retry-After"]) >= 1
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("pipeline", [True, False], ids=["pipelined", "one-thread"])
+def test_the_rate_admission_judges_by_is_the_rate_queries_are_answered(real_retriever, pipeline):
+    """Pipelined, the encoder's release of a batch restarted the clock the lookup thread measured
+    its batches by, and the rate read many times faster than the server answered."""
+    two = TwoStage(real_retriever, delay=0.1)
+    server = ThreadServer(create_app(two, ServerConfig(max_batch=2, max_wait_ms=0, pipeline=pipeline)))
+    two.forget()  # the start-up probe's calls
+    try:
+        with ThreadPoolExecutor(16) as pool:
+            codes = [r.status_code for r in pool.map(
+                lambda i: post(server, {"queries": [f"capital {i}", f"river {i}"]}), range(16))]
+        assert codes == [200] * 16
+        # What the server answered, batch after batch, while busy: from its first answer to its last.
+        lookups = sorted(two.intervals["lookup"], key=lambda call: call[1])
+        served = sum(n for _, _, n in lookups[1:]) / (lookups[-1][1] - lookups[0][1])
+        measured = httpx.get(server.url + "/health").json()["queries_per_s"]
+        assert served / 2 < measured < 2 * served, (measured, served)
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("pipeline", [True, False], ids=["pipelined", "one-thread"])
+def test_a_timeout_storm_spends_the_work_on_clients_still_waiting(real_retriever, pipeline):
+    """Clients that give up after X-Timeout-S and ask again at once, more than the server can
+    answer in time: the queries it searches are (nearly) all ones whose answer is still read,
+    instead of a multiple of them."""
+    two = TwoStage(real_retriever, delay=0.1, memo=True)
+    server = ThreadServer(create_app(two, ServerConfig(max_batch=2, max_wait_ms=0, pipeline=pipeline)))
+    two.forget()  # the start-up probe's calls
+    answered = []
+    queries = [f"storm query {i}" for i in range(4)]
+    two.encode(queries)  # into the memo
+
+    def client(i):
+        end = time.monotonic() + 4
+        while time.monotonic() < end:
+            try:
+                r = post_with_timeout(server, queries, 1.0)
+            except httpx.TimeoutException:  # gave up as the server answered 504
+                answered.append("gave up")
+                continue
+            answered.append(r.status_code)
+            if r.status_code == 503:
+                time.sleep(0.05)
+
+    try:
+        with ThreadPoolExecutor(10) as pool:  # 40 queries asked at once, ≤ 20 answered a second
+            list(pool.map(client, range(10)))
+        searched = sum(n for _, _, n in two.intervals["lookup"])
+        read = answered.count(200) * len(queries)
+        assert read >= 5 * len(queries), answered
+        assert searched <= 1.25 * read + 4, (searched, read, {c: answered.count(c) for c in set(answered)})
+    finally:
+        server.stop()
+
+
+def test_each_busy_answer_says_which_limit_refused_it(real_retriever):
+    """A full queue and a wait the queue would outlast are different troubles (raise --max_pending,
+    or wait longer / go elsewhere): one text served both."""
+    slow = Wrapped(real_retriever, delay=1.0)
+    server = ThreadServer(create_app(slow, ServerConfig(max_pending=5, max_batch=2, max_wait_ms=0)))
+    try:
+        with ThreadPoolExecutor(8) as pool:
+            load = [pool.submit(post, server, {"queries": ["a", "b"]}) for _ in range(2)]
+            wait_for_pending(server, 4)
+            full = post(server, {"queries": ["c", "d"]})  # 4 + 2 > 5
+            late = post_with_timeout(server, ["e"], 0.2)  # 4 + 1 fit, but take ≥ 2 s
+            [f.result() for f in load]
+        assert full.status_code == late.status_code == 503
+        assert "--max_pending" in full.json()["error"] and "X-Timeout-S" not in full.json()["error"]
+        assert "X-Timeout-S of 0.2 s" in late.json()["error"] and "--max_pending" not in late.json()["error"]
+    finally:
+        server.stop()
+
+
+# -- /access --------------------------------------------------------------------------------------
+
+BIG_PAGE = "A long page. " * 20_000  # 260,000 characters
+
+
+@pytest.fixture(scope="module")
+def pages(tmp_path_factory):
+    from search_r1.retrieval.corpus import Pages
+    path = tmp_path_factory.mktemp("pages") / "pages.jsonl"
+    with open(path, "w") as f:
+        for i in range(6):
+            f.write(json.dumps({"url": f"https://big.example/{i}", "contents": BIG_PAGE}) + "\n")
+        f.write(json.dumps({"url": "https://en.wikipedia.org/w/index.php?title=Seine",
+                            "contents": "The Seine is a river in France."}) + "\n")
+    return Pages(path)
+
+
+def test_access_sends_a_repeated_page_once(real_retriever, pages):
+    """A 3 KB request naming one large page 64 times was answered with 64 copies of it: requests
+    could make the server build (and hold, and send) answers thousands of times their size."""
+    server = ThreadServer(create_app(real_retriever, ServerConfig(max_batch=4), pages=pages))
+    try:
+        big, seine = "https://big.example/0", "https://en.wikipedia.org/w/index.php/Seine"
+        urls = [big] * 64 + [seine, "https://nowhere.example", big, seine]
+        r = httpx.post(server.url + "/access", json={"urls": urls}, timeout=30)
+        assert r.status_code == 200, r.text
+        assert len(r.content) < len(BIG_PAGE) + 10_000  # the page once
+        result = r.json()["result"]
+        assert len(result) == len(urls)  # still one entry per URL, in order
+        assert result[0] == {"url": big, "contents": BIG_PAGE}
+        assert result[1] == result[63] == result[66] == {"url": big, "contents": "", "duplicate_of": 0}
+        seine_url = "https://en.wikipedia.org/w/index.php?title=Seine"  # the index.php/ form is looked up
+        assert result[64] == {"url": seine_url, "contents": "The Seine is a river in France."}
+        assert result[65] is None
+        assert result[67] == {"url": seine_url, "contents": "", "duplicate_of": 64}
+    finally:
+        server.stop()
+
+
+def test_access_refuses_an_answer_over_its_budget(real_retriever, pages):
+    cfg = ServerConfig(max_access_response_bytes=1 << 20, max_batch=4)
+    server = ThreadServer(create_app(real_retriever, cfg, pages=pages))
+    try:
+        distinct = [f"https://big.example/{i}" for i in range(6)]  # 6 pages: 1.5 MB
+        r = httpx.post(server.url + "/access", json={"urls": distinct}, timeout=30)
+        assert r.status_code == 413 and "--max_access_response_bytes" in r.json()["error"], r.text
+        assert "retry-after" not in r.headers
+        r = httpx.post(server.url + "/access", json={"urls": distinct[:3] + distinct[:3] * 100}, timeout=30)
+        assert r.status_code == 200 and len(r.json()["result"]) == 303  # a repeated page counts once
+    finally:
+        server.stop()
+
+
+# -- authentication and what a browser may send ---------------------------------------------------
+
+def test_the_bearer_scheme_is_case_insensitive(real_retriever):
+    server = ThreadServer(create_app(real_retriever, ServerConfig(api_key="s3cret", max_batch=4)))
+    try:
+        for header in ("Bearer s3cret", "bearer s3cret", "BEARER  s3cret"):
+            r = post(server, {"queries": ["x"]}, headers={"Authorization": header})
+            assert r.status_code == 200, (header, r.text)
+        for header in ("Basic s3cret", "Bearer s3cre", "bearers3cret", "s3cret"):
+            assert post(server, {"queries": ["x"]}, headers={"Authorization": header}).status_code == 401
+    finally:
+        server.stop()
+
+
+def test_a_body_not_sent_as_json_is_refused(real_retriever, pages):
+    """Without a key, a web page open in a browser on the same machine could POST searches as
+    `text/plain` (which needs no CORS preflight) and the server answered them."""
+    server = ThreadServer(create_app(real_retriever, ServerConfig(max_batch=4), pages=pages))
+    try:
+        for path, body in (("/retrieve", {"queries": ["capital of Japan"]}), ("/access", {"urls": ["x"]})):
+            data = json.dumps(body).encode()
+            for headers in ({"Content-Type": "text/plain;charset=UTF-8"},
+                            {"Content-Type": "application/x-www-form-urlencoded"}, {}):
+                r = httpx.post(server.url + path, content=data, headers=headers)
+                assert r.status_code == 415 and "application/json" in r.json()["error"], (path, headers, r.text)
+            for content_type in ("application/json", "application/json; charset=utf-8", "Application/JSON"):
+                r = httpx.post(server.url + path, content=data, headers={"Content-Type": content_type})
+                assert r.status_code == 200, (path, content_type, r.text)
+            assert httpx.post(server.url + path, json=body).status_code == 200  # what clients send
+    finally:
+        server.stop()
+
+
+@pytest.mark.e2e  # a server process
+def test_the_api_key_can_come_from_a_file_and_on_the_command_line_is_warned_about(corpus_jsonl, tmp_path,
+                                                                                  caplog):
+    """`--api-key KEY` shows the key to every user of the machine (`ps`); `--api-key-file` does not."""
+    from conftest import ServerProcess
+    from search_r1.cli import build_parser, server_api_key
+    from search_r1.retrieval.build import build_bm25_index
+
+    key_file = tmp_path / "key"
+    key_file.write_text("file-s3cret\n")
+    key_file.chmod(0o600)
+    index = build_bm25_index(str(corpus_jsonl), str(tmp_path / "bm25"), progress=False)
+    server = ServerProcess(["--retriever_name", "bm25", "--index_path", str(index), "--corpus_path",
+                            str(corpus_jsonl), "--api_key_file", str(key_file)], tmp_path / "server.log")
+    try:
+        assert "file-s3cret" not in Path(f"/proc/{server.proc.pid}/cmdline").read_bytes().decode()
+        assert post(server, {"queries": ["capital"]}).status_code == 401
+        key = {"Authorization": "Bearer file-s3cret"}
+        assert post(server, {"queries": ["capital"]}, headers=key).status_code == 200
+    finally:
+        server.stop()
+
+    def key_of(*flags):
+        return server_api_key(build_parser().parse_args(["serve", *flags]))
+    with caplog.at_level("WARNING", logger="search_r1.cli"):
+        assert key_of("--api-key", "flag-s3cret") == "flag-s3cret"  # still works…
+    assert "--api-key-file" in caplog.text and "SEARCH_R1_API_KEY" in caplog.text  # …with a warning
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="search_r1.cli"):
+        assert key_of("--api-key-file", str(key_file)) == "file-s3cret" and not caplog.text
+    with pytest.raises(ValueError, match="--api-key-file"):
+        key_of("--api-key", "a", "--api-key-file", str(key_file))
+    (tmp_path / "empty").write_text("\n")
+    with pytest.raises(ValueError, match="empty"):
+        key_of("--api-key-file", str(tmp_path / "empty"))

@@ -11,7 +11,7 @@ import logging
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from urllib.parse import parse_qs, urlsplit
+from urllib.parse import parse_qs, quote, urlsplit
 
 import pytest
 
@@ -291,6 +291,25 @@ def test_api_key_never_reaches_logs_or_cache(make, fake, tmp_path, caplog, engin
     assert key not in caplog.text
     cached = [p.read_text() for p in tmp_path.rglob("*") if p.is_file()]
     assert cached and all(key not in text for text in cached)
+
+
+def test_google_search_engine_id_never_reaches_logs(make, fake, monkeypatch, caplog):
+    """httpx logs each request URL at INFO; Google's carries the search engine id (`cx`) beside
+    the key, and only the key was blanked."""
+    cse_id = "017576662512468239146:omuauf_lfve"  # the layout of real ids: `:` is sent as %3A
+    monkeypatch.setenv("GOOGLE_CSE_ID", cse_id)
+    fake.plan["fails"] = [500] * 10
+    for name in ("httpx", "httpcore", "search_r1.retrieval.web"):
+        logging.getLogger(name).disabled = False
+        logging.getLogger(name).propagate = True
+        caplog.set_level(logging.DEBUG, logger=name)
+    caplog.set_level(logging.DEBUG)
+    make(WebEngine.GOOGLE, retries=1).search(["works", "fails"], topk=2)
+
+    assert fake.requests[0]["params"]["cx"] == cse_id  # sent…
+    assert any(rec.name == "httpx" and "cx=" in rec.getMessage() for rec in caplog.records)
+    for secret in (cse_id, quote(cse_id, safe=""), KEYS["GOOGLE_API_KEY"]):
+        assert secret not in caplog.text  # …and never logged
 
 
 @pytest.mark.parametrize("engine", list(WebEngine))
