@@ -327,6 +327,45 @@ class KLCtrlConfig:
     horizon: int = key(10000, "adaptive: trajectories over which the coefficient adapts (larger: slower)")
 
 
+# -- DAPO's dynamic sampling and overlong buffer, under verl's keys ------------------------------
+
+# algorithm.filter_groups.metric: verl's names → what decides here that a group is flat. With the KL
+# in the reward, verl's seq_final_reward includes it; here the KL is applied after the filter, so
+# that name is refused then (_check_dapo_keys).
+FILTER_METRICS = {
+    "acc": "the reward's .em (exact match) where the reward function gives it, else its score",
+    "score": "the reward function's score, before the overlong penalty",
+    "seq_reward": "the reward trained on (the score with the overlong penalty)",
+    "seq_final_reward": "the same as seq_reward (without the KL in the reward only)",
+}
+
+
+@dataclass
+class FilterGroupsConfig:
+    """DAPO's dynamic sampling: groups whose metric is the same for every sample are dropped and
+    more prompts generated until data.train_batch_size groups vary."""
+    enable: bool = key(False, "verl's: drop the groups whose metric is equal across their samples (no GRPO signal) "
+                              "and generate more prompts until data.train_batch_size groups are kept")
+    metric: str | None = key(None, "verl's: the per-trajectory value that decides a group is flat: "
+                                   + "; ".join(f"{k}: {v}" for k, v in FILTER_METRICS.items())
+                                   + "; needed with enable")
+    max_num_gen_batches: int = key(0, "verl's: the most generation batches (of data.train_batch_size prompts) per "
+                                      "step; past it the run stops with an error; <= 0: no limit")
+
+
+@dataclass
+class OverlongBufferConfig:
+    """DAPO's overlong reward shaping: a linear penalty on responses near the length limit."""
+    enable: bool = key(False, "verl's: subtract a penalty from the reward of a response within len tokens of "
+                              "data.max_response_length")
+    len: int = key(0, "verl's: tokens before data.max_response_length where the penalty starts, in "
+                      "(0, data.max_response_length] with enable")
+    penalty_factor: float = key(0.0, "verl's: the penalty at the limit (and past it), rising linearly from 0 over "
+                                     "the last len tokens; >= 0")
+    log: bool = key(False, "verl's switch for logging the penalty: accepted; reward/overlong_penalty and "
+                           "reward/overlong_share are logged either way")
+
+
 @dataclass
 class AlgorithmConfig:
     adv_estimator: str = key("gae", "gae (PPO: trains a critic) | grpo | rloo | reinforce_plus_plus | "
@@ -342,6 +381,7 @@ class AlgorithmConfig:
                                    "first step)")
     kl_penalty: str = key("kl", "KL estimator in the reward: kl (k1) | abs | mse (k2) | low_var_kl (k3)")
     kl_ctrl: KLCtrlConfig = key_factory(KLCtrlConfig, "coefficient of the KL in the reward (use_kl_in_reward)")
+    filter_groups: FilterGroupsConfig = key_factory(FilterGroupsConfig, "DAPO's dynamic sampling (verl's keys)")
 
 
 @dataclass
@@ -362,6 +402,9 @@ class RewardConfig:
     format_needs_search: bool = key(False, "pay format_score and final_format_score to a wrong answer only if the "
                                            "trajectory searched at least once, so that the cheapest reward needs a "
                                            "search (trained without SFT, a policy otherwise learns to answer at once)")
+    overlong_buffer: OverlongBufferConfig = key_factory(OverlongBufferConfig, "DAPO's overlong reward shaping, on "
+                                                        "the response's tokens (the model's and the tools'); "
+                                                        "verl's reward_model.overlong_buffer is read into it")
 
     def kwargs(self) -> dict[str, float | bool]:
         """The terms set, as the reward function's keyword arguments (compute_score's names)."""
@@ -379,6 +422,7 @@ class RewardModelConfig:
     structure_format_score: float = key(0.0, "the original's name of reward.format_score")
     final_format_score: float = key(0.0, "the original's name of reward.final_format_score")
     retrieval_score: float = key(0.0, "the original's name of reward.retrieval_score")
+    overlong_buffer: OverlongBufferConfig = key_factory(OverlongBufferConfig, "verl's name of reward.overlong_buffer")
 
 
 @dataclass
@@ -500,7 +544,34 @@ def load_config(raw) -> TrainerConfig:
     _check_original_keys(cfg)
     if cfg.algorithm.use_kl_in_reward is None:
         cfg.algorithm.use_kl_in_reward = not cfg.actor_rollout_ref.actor.use_kl_loss
+    _check_dapo_keys(cfg)
     return cfg
+
+
+def _check_dapo_keys(cfg: TrainerConfig) -> None:
+    """algorithm.filter_groups and the overlong buffer (reward.overlong_buffer, or verl's
+    reward_model.overlong_buffer read into it)."""
+    groups = cfg.algorithm.filter_groups
+    if groups.enable and groups.metric not in FILTER_METRICS:
+        raise ConfigError(f"algorithm.filter_groups.metric={groups.metric!r}: use one of "
+                          + ", ".join(f"{k} ({v})" for k, v in FILTER_METRICS.items()))
+    if groups.enable and groups.metric == "seq_final_reward" and cfg.algorithm.use_kl_in_reward:
+        raise ConfigError("algorithm.filter_groups.metric=seq_final_reward with the KL in the reward: groups are "
+                          "filtered before the KL is computed here; use seq_reward (the reward without the KL) or "
+                          "set algorithm.use_kl_in_reward=false")
+    default = OverlongBufferConfig()
+    ours, verls = cfg.reward.overlong_buffer, cfg.reward_model.overlong_buffer
+    if ours != default and verls != default and ours != verls:
+        raise ConfigError("reward.overlong_buffer and reward_model.overlong_buffer (verl's name) are both set: "
+                          "give one")
+    buffer = cfg.reward.overlong_buffer = ours if ours != default else verls
+    limit = cfg.data.max_response_length
+    if buffer.enable and not 0 < buffer.len <= limit:
+        raise ConfigError(f"reward.overlong_buffer.len={buffer.len}: the penalty starts len tokens before "
+                          f"data.max_response_length={limit}; give len in (0, {limit}]")
+    if buffer.penalty_factor < 0:
+        raise ConfigError(f"reward.overlong_buffer.penalty_factor={buffer.penalty_factor}: the penalty at the length "
+                          "limit, >= 0")
 
 
 def _check_original_keys(cfg: TrainerConfig) -> None:

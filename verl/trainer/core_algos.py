@@ -30,9 +30,11 @@ Where we deviate from the papers or from common implementations, on purpose:
 - Masked means over an empty mask are 0, not NaN, and sequences without a model token are left out
   of per-sequence means: a trajectory whose model wrote nothing (e.g. truncated at the prompt)
   contributes no loss and no gradient instead of poisoning the batch.
+- DAPO's overlong penalty stays at -penalty_factor past the length limit, where verl's keeps falling.
 """
 from __future__ import annotations
 
+import math
 from enum import StrEnum
 
 import torch
@@ -268,6 +270,31 @@ def compute_advantages(estimator: AdvEstimator | str, *, rewards_B: torch.Tensor
     else:
         raise AssertionError(f"unhandled estimator {estimator}")
     return adv_BR, adv_BR
+
+
+# ----------------------------------------------------------------------------- DAPO
+
+def varied_groups(metric_B: torch.Tensor, group_ids_B: torch.Tensor) -> torch.Tensor:
+    """bool_B: whether the trajectory's group has at least two different metric values, i.e. gives
+    a group estimator a signal (DAPO's dynamic sampling keeps those groups). A group of one is kept,
+    as verl keeps it. verl compares the group's std with 0; max > min is the same test without the
+    rounding of a std of equal floats."""
+    index_B, G = _group_index(group_ids_B)
+    metric_B = metric_B.double()
+    hi_G = torch.full((G,), -math.inf, dtype=torch.float64).scatter_reduce(0, index_B, metric_B, "amax")
+    lo_G = torch.full((G,), math.inf, dtype=torch.float64).scatter_reduce(0, index_B, metric_B, "amin")
+    count_G = torch.bincount(index_B, minlength=G)
+    return ((hi_G > lo_G) | (count_G == 1))[index_B]
+
+
+def overlong_penalty(lengths_B: torch.Tensor, max_length: int, buffer_length: int,
+                     penalty_factor: float) -> torch.Tensor:
+    """DAPO's overlong reward shaping: 0 up to `max_length - buffer_length` tokens, then falling
+    linearly to -penalty_factor at `max_length`. verl's formula keeps falling past the limit; here
+    the penalty stays at -penalty_factor there (a response past the limit: a multi-turn loop whose
+    limit is per turn)."""
+    over_B = (lengths_B.double() - (max_length - buffer_length)).clamp(0, buffer_length)
+    return (-over_B / buffer_length * penalty_factor).float()
 
 
 # ----------------------------------------------------------------------------- KL

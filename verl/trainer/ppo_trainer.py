@@ -5,12 +5,15 @@ One step, as data: prompts → rollout on every worker (agent loop + colocated e
 log-probs, values → advantages (pure functions in core_algos) → critic and actor updates → new
 weights pushed into the engines. Validation, metrics and checkpoints around it, and an optional
 wall-clock limit (`trainer.time_limit_minutes`) that makes the step running when it is spent the
-last one.
+last one. With algorithm.filter_groups (DAPO's dynamic sampling) the rollout and reward repeat on
+the sampler's next prompts until enough groups have rewards that differ; a step then consumes more
+prompts than data.train_batch_size, and a run of total_training_steps goes further into the data.
 """
 from __future__ import annotations
 
 import importlib
 import inspect
+import itertools
 import json
 import logging
 import os
@@ -48,6 +51,10 @@ def load_reward_fn(spec: str | None):
 def takes_extra_info(fn) -> bool:
     """Whether the reward function takes the row's `extra_info` (verl's keyword), by name."""
     return "extra_info" in inspect.signature(fn).parameters
+
+
+class FilterGroupsExhausted(RuntimeError):
+    """algorithm.filter_groups: too few groups kept within max_num_gen_batches generation batches."""
 
 
 class ToolFailures(RuntimeError):
@@ -100,12 +107,17 @@ class PPOTrainer:
         n = self.cfg.actor_rollout_ref.rollout.n_agent
         # trainer.critic_warmup: the critic learns alone until then (self.step counts finished steps)
         actor_learns = self.step + 1 >= self.cfg.trainer.critic_warmup
-        with t("rollout"):
-            batch = self.rollout(examples, n, greedy=False,
-                                 logprobs=self.cfg.actor_rollout_ref.rollout.calculate_log_probs)
+        generated = None   # model tokens generated, where more were than the batch holds
+        if self.cfg.algorithm.filter_groups.enable:
+            batch, metrics, generated = self.rollout_varied_groups(examples, n, t)
+        else:
+            with t("rollout"):
+                batch = self.rollout(examples, n, greedy=False,
+                                     logprobs=self.cfg.actor_rollout_ref.rollout.calculate_log_probs)
+            with t("reward"):
+                batch.rewards_B, metrics = self.score(batch)
         batch, balance = self.balance(batch)
         with t("reward"):
-            batch.rewards_B, metrics = self.score(batch)
             metrics |= self.drop_failed_tool_calls(batch)
         if not self.old_from_update:
             with t("old_log_probs"):
@@ -133,7 +145,7 @@ class PPOTrainer:
         if actor_learns:
             with t("weight_sync"):
                 self.policy.get([w.sync_weights.remote() for w in self.policy.workers], "weight sync", self.step)
-        return (metrics | balance | self.throughput(batch, t.seconds)
+        return (metrics | balance | self.throughput(batch, t.seconds, generated)
                 | {f"timing_s/{k}": v for k, v in t.seconds.items()})
 
     def balance(self, batch: RolloutBatch) -> tuple[RolloutBatch, dict]:
@@ -150,11 +162,77 @@ class PPOTrainer:
         totals = [sum(tokens[p * size:(p + 1) * size]) for p in range(world)]
         return batch, {"balance/max_over_mean_tokens": max(totals) / (sum(totals) / world)}
 
+    # -- DAPO's dynamic sampling (algorithm.filter_groups) ----------------------------------------
+
+    def rollout_varied_groups(self, examples: list[Example], n: int, t: Timer) -> tuple[RolloutBatch, dict, int]:
+        """Generate and score `examples` × n, drop the groups whose filter metric is the same for
+        every sample, and draw the next prompts from the sampler (listed in data_order.jsonl) until
+        as many groups are kept as `examples` holds; the first of them, the rewards set. Timing
+        covers every generation; the reward metrics are means over the generation batches (all of
+        one size), so they describe what the policy generated, not the filtered batch. Stops the run
+        past algorithm.filter_groups.max_num_gen_batches. Returns the batch, the metrics and the
+        model tokens generated."""
+        fg = self.cfg.algorithm.filter_groups
+        want = len(examples) * n
+        kept, scored, dropped, generated, groups_seen = [], [], 0, 0, 0
+        for gen_batch in itertools.count():
+            if gen_batch:
+                examples = self.draw_prompts(gen_batch + 1)
+            with t("rollout"):
+                batch = self.rollout(examples, n, greedy=False, gen_batch=gen_batch,
+                                     logprobs=self.cfg.actor_rollout_ref.rollout.calculate_log_probs)
+            with t("reward"):
+                batch.rewards_B, metrics = self.score(batch)
+            scored.append(metrics)
+            generated += sum(s.model_tokens for s in batch.info["stats"])
+            keep_B = core_algos.varied_groups(self.filter_metric_B(batch, fg.metric), batch.group_ids_B)
+            # Ids numbered anew across the step's batches: a prompt drawn twice (past an epoch's end)
+            # makes two groups.
+            index_B = torch.unique(batch.group_ids_B, return_inverse=True)[1]
+            dropped += len(index_B.unique()) - len(index_B[keep_B].unique())
+            batch.group_ids_B = index_B + groups_seen
+            groups_seen += len(index_B.unique())
+            kept.append(batch.select(keep_B.nonzero().flatten()))
+            if sum(len(b) for b in kept) >= want:
+                break
+            if 0 < fg.max_num_gen_batches <= gen_batch + 1:
+                raise FilterGroupsExhausted(
+                    f"step {self.step + 1}: {sum(len(b) for b in kept) // n} of the {want // n} groups kept after "
+                    f"{gen_batch + 1} generation batches (algorithm.filter_groups.max_num_gen_batches="
+                    f"{fg.max_num_gen_batches}): the other groups' {fg.metric} was the same for every sample. The "
+                    "prompts may be too hard or too easy for the policy; raise the key (0: no limit), or switch "
+                    "algorithm.filter_groups.enable off.")
+        metrics = {k: float(np.mean([m[k] for m in scored if k in m])) for k in set().union(*scored)}
+        metrics |= {"filter_groups/dropped_groups": float(dropped), "filter_groups/gen_batches": float(gen_batch + 1)}
+        return RolloutBatch.concat(kept).select(slice(0, want)), metrics, generated
+
+    @staticmethod
+    def filter_metric_B(batch: RolloutBatch, metric: str) -> torch.Tensor:
+        """The per-trajectory value of algorithm.filter_groups.metric (verl's names; config.FILTER_METRICS)."""
+        if metric == "acc":
+            return torch.tensor(batch.info["em"], dtype=torch.float64)
+        if metric == "score":
+            return torch.tensor(batch.info["score"], dtype=torch.float64)
+        return batch.rewards_B   # seq_reward, seq_final_reward (checked at start-up: no KL in the reward)
+
+    def draw_prompts(self, gen_batch: int = 1) -> list[Example]:
+        """The sampler's next batch, listed in data_order.jsonl under the step it is drawn for (and
+        its generation batch, counted from 1, with algorithm.filter_groups)."""
+        examples = self.sampler.next_batch()
+        row = {"step": self.step + 1, "indices": [e.index for e in examples]}
+        if self.cfg.algorithm.filter_groups.enable:
+            row["gen_batch"] = gen_batch
+        with open(os.path.join(self.out_dir, "data_order.jsonl"), "a") as f:  # for audits of resume
+            f.write(json.dumps(row) + "\n")
+        return examples
+
     # -- phases --------------------------------------------------------------------------------
 
-    def rollout_calls(self, examples: list[Example], n: int, greedy: bool, step: int, logprobs: bool) -> list:
+    def rollout_calls(self, examples: list[Example], n: int, greedy: bool, step: int, logprobs: bool,
+                      gen_batch: int = 0) -> list:
         """(worker, arguments of its `generate`) for the rollout of `step` (1-based): the rows, n per
-        example, in equal contiguous parts."""
+        example, in equal contiguous parts. `gen_batch`: the step's generation batch, counted from 0
+        (more than one with algorithm.filter_groups), each with seeds of its own."""
         rows = [e for e in examples for _ in range(n)]
         world = len(self.policy.workers)
         per = -(-len(rows) // world)
@@ -162,13 +240,15 @@ class PPOTrainer:
         temperature, top_p = (0.0, 1.0) if greedy else (r.temperature, r.top_p)
         # One seed per step and worker, from trainer.seed: a resumed step samples what it would have.
         # A rollback gives the steps after it fresh seeds.
-        seed = (self.cfg.trainer.seed * 1_000_003 + step * 10_007 + self.health.rollbacks * 7_919) % 2**31
+        seed = (self.cfg.trainer.seed * 1_000_003 + step * 10_007 + self.health.rollbacks * 7_919
+                + gen_batch * 104_729) % 2**31
         return [(w, ([e.prompt_ids for e in rows[i * per:(i + 1) * per]], [e.index for e in rows[i * per:(i + 1) * per]],
                      temperature, top_p, self.cfg.data.max_response_length, (seed + 100_003 * i) % 2**31, logprobs))
                 for i, w in enumerate(self.policy.workers) if rows[i * per:(i + 1) * per]]
 
-    def rollout(self, examples: list[Example], n: int, greedy: bool, logprobs: bool = False) -> RolloutBatch:
-        calls = self.rollout_calls(examples, n, greedy, self.step + 1, logprobs)
+    def rollout(self, examples: list[Example], n: int, greedy: bool, logprobs: bool = False,
+                gen_batch: int = 0) -> RolloutBatch:
+        calls = self.rollout_calls(examples, n, greedy, self.step + 1, logprobs, gen_batch)
         parts = self.policy.get([w.generate.remote(*args) for w, args in calls], "rollout", self.step)
         return self.with_targets(RolloutBatch.concat(parts), examples, n)
 
@@ -197,7 +277,9 @@ class PPOTrainer:
             for name, value in (getattr(result, "metrics", None) or {}).items():  # the reward's own, by name
                 own[name].append(float(value))
         stats = batch.info["stats"]  # TrajectoryStats, one per trajectory
-        metrics = {"reward/mean": float(np.mean(rewards)), "reward/em": float(np.mean(em)),
+        batch.info["score"], batch.info["em"] = rewards, em   # for algorithm.filter_groups.metric
+        rewards, overlong = self.overlong_shaping(rewards, stats)
+        metrics = overlong | {"reward/mean": float(np.mean(rewards)), "reward/em": float(np.mean(em)),
                    "response/length": float(np.mean([s.response_tokens for s in stats])),
                    "response/model_tokens": float(np.mean([s.model_tokens for s in stats])),
                    # tool outputs (retrieved passages) in the response
@@ -222,6 +304,19 @@ class PPOTrainer:
         metrics |= {name: float(np.mean(values)) for name, values in own.items()}
         batch.info["reward"] = rewards
         return torch.tensor(rewards, dtype=torch.float32), metrics
+
+    def overlong_shaping(self, scores: list[float], stats: list) -> tuple[list[float], dict]:
+        """reward.overlong_buffer (DAPO): the scores less the penalty of responses near
+        data.max_response_length, counted in response tokens (the model's and the tools', as verl
+        counts them); the mean penalty and the share of responses penalised."""
+        buffer = self.cfg.reward.overlong_buffer
+        if not buffer.enable:
+            return scores, {}
+        penalty_B = core_algos.overlong_penalty(torch.tensor([s.response_tokens for s in stats]),
+                                                self.cfg.data.max_response_length, buffer.len, buffer.penalty_factor)
+        return ([score + p for score, p in zip(scores, penalty_B.tolist())],
+                {"reward/overlong_penalty": float(penalty_B.mean()),
+                 "reward/overlong_share": float((penalty_B < 0).float().mean())})
 
     def drop_failed_tool_calls(self, batch: RolloutBatch) -> dict:
         """Trajectories whose tool call failed saw an error text instead of the tool's output: they
@@ -273,9 +368,10 @@ class PPOTrainer:
         parts = batch.split(len(group.workers))
         return group.get([call(w, part) for w, part in zip(group.workers, parts)], what, self.step)
 
-    def throughput(self, batch: RolloutBatch, seconds: dict) -> dict:
+    def throughput(self, batch: RolloutBatch, seconds: dict, generated: int | None = None) -> dict:
         tokens = int(batch.attention_mask_BT.sum())
-        generated = sum(s.model_tokens for s in batch.info["stats"])
+        if generated is None:
+            generated = sum(s.model_tokens for s in batch.info["stats"])
         out = {"throughput/generated_tokens_per_s": generated / max(seconds["rollout"], 1e-9)}
         if "update_actor" not in seconds:  # a critic warm-up step
             return out
@@ -519,9 +615,7 @@ class PPOTrainer:
             self.health.saved(0, healthy=True)
         with tqdm(total=self.total_steps, initial=self.step, desc="training", unit="step") as bar:
             while self.step < self.total_steps:
-                examples = self.sampler.next_batch()
-                with open(os.path.join(self.out_dir, "data_order.jsonl"), "a") as f:  # for audits of resume
-                    f.write(json.dumps({"step": self.step + 1, "indices": [e.index for e in examples]}) + "\n")
+                examples = self.draw_prompts()
                 profiled = self.step + 1 in run.profile_steps
                 if profiled:
                     self.profile("start")

@@ -141,3 +141,45 @@ def test_batch_sizes_that_do_not_split_are_refused_at_start_up_naming_the_keys()
     # micro-batches by tokens: the trajectory sizes need not divide the mini-batch
     assert sizes("algorithm.adv_estimator=gae", "actor_rollout_ref.actor.ppo_micro_batch_size=64",
                  "actor_rollout_ref.actor.use_dynamic_bsz=true").mini_batch_trajectories_per_worker == 160
+
+
+def _dapo_config(*keys):
+    base = ["data.train_files=t.parquet", "actor_rollout_ref.model.path=m", "data.max_response_length=100"]
+    return load_config(OmegaConf.merge(OmegaConf.load(CONFIG), OmegaConf.from_dotlist(base + list(keys))))
+
+
+def test_filter_groups_is_off_by_default_and_its_metric_is_checked_at_start_up():
+    assert not _dapo_config().algorithm.filter_groups.enable
+    for metric in ("acc", "score", "seq_reward"):
+        cfg = _dapo_config("algorithm.filter_groups.enable=true", f"algorithm.filter_groups.metric={metric}",
+                           "algorithm.filter_groups.max_num_gen_batches=10")
+        assert (cfg.algorithm.filter_groups.metric, cfg.algorithm.filter_groups.max_num_gen_batches) == (metric, 10)
+    for metric in ("null", "accuracy"):   # verl's default null, and a name it would not know either
+        with pytest.raises(ConfigError, match=r"algorithm.filter_groups.metric=.*acc.*score.*seq_reward.*seq_final_reward"):
+            _dapo_config("algorithm.filter_groups.enable=true", f"algorithm.filter_groups.metric={metric}")
+
+
+def test_seq_final_reward_is_refused_with_the_kl_in_the_reward_which_comes_after_the_filter():
+    keys = ["algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=seq_final_reward"]
+    assert _dapo_config(*keys, "algorithm.use_kl_in_reward=false").algorithm.filter_groups.enable
+    with pytest.raises(ConfigError, match="seq_reward"):
+        _dapo_config(*keys, "algorithm.use_kl_in_reward=true")
+
+
+@pytest.mark.parametrize("section", ["reward", "reward_model"])   # ours, and verl's name
+def test_overlong_buffer_is_read_from_either_name_and_checked_against_the_length_limit(section):
+    cfg = _dapo_config(f"{section}.overlong_buffer.enable=true", f"{section}.overlong_buffer.len=20",
+                       f"{section}.overlong_buffer.penalty_factor=1.0")
+    buffer = cfg.reward.overlong_buffer
+    assert (buffer.enable, buffer.len, buffer.penalty_factor) == (True, 20, 1.0)
+    for bad in ("len=0", "len=101", "penalty_factor=-1"):
+        with pytest.raises(ConfigError, match="reward.overlong_buffer"):
+            _dapo_config(f"{section}.overlong_buffer.enable=true", f"{section}.overlong_buffer.len=20",
+                         f"{section}.overlong_buffer.{bad}")
+    assert not _dapo_config().reward.overlong_buffer.enable
+
+
+def test_overlong_buffer_set_under_both_names_differently_is_refused():
+    with pytest.raises(ConfigError, match="both set"):
+        _dapo_config("reward.overlong_buffer.enable=true", "reward.overlong_buffer.len=20",
+                     "reward_model.overlong_buffer.enable=true", "reward_model.overlong_buffer.len=10")

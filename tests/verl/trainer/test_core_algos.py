@@ -575,3 +575,38 @@ def test_logprobs_and_entropy_bf16_and_extremes():
     (logp.sum() + ent.sum()).backward()
     assert torch.isfinite(big.grad).all()
     assert ca.logprobs_and_entropy(big, torch.tensor([1, 0]))[1] is None
+
+
+# ----------------------------------------------------------------------------- DAPO
+
+def _naive_varied_groups(metric, gids):
+    values = {}
+    for g, m in zip(gids, metric):
+        values.setdefault(g, []).append(m)
+    return [len(values[g]) == 1 or len(set(values[g])) > 1 for g in gids]
+
+
+def test_varied_groups_matches_loop():
+    rng = random.Random(0)
+    for _ in range(50):
+        B = rng.randint(1, 24)
+        gids = [rng.choice([3, 7, 100, 2**40, -5]) for _ in range(B)]    # arbitrary ids, interleaved
+        metric = [rng.choice([0.0, 1.0, 0.2]) for _ in range(B)]
+        got = ca.varied_groups(torch.tensor(metric), torch.tensor(gids))
+        assert got.dtype == torch.bool and got.tolist() == _naive_varied_groups(metric, gids)
+
+
+def test_varied_groups_equal_floats_are_flat():
+    """Three samples of 0.1: np.std gives a rounding residue, max > min gives none."""
+    keep = ca.varied_groups(torch.tensor([0.1, 0.1, 0.1, 0.1, 0.3, 0.1]), torch.tensor([0, 0, 0, 1, 1, 1]))
+    assert keep.tolist() == [False] * 3 + [True] * 3
+
+
+def test_overlong_penalty_matches_verls_formula_up_to_the_limit_and_stays_there_past_it():
+    max_len, buffer, factor = 100, 20, 0.5
+    lengths = list(range(0, 131))
+    got = ca.overlong_penalty(torch.tensor(lengths), max_len, buffer, factor).tolist()
+    for n, p in zip(lengths, got):
+        verl = min(-(n - (max_len - buffer)) / buffer * factor, 0)     # verl's DAPO reward manager
+        assert p == pytest.approx(verl if n <= max_len else -factor, abs=1e-6)
+    assert got[80] == 0 and got[90] == pytest.approx(-0.25) and got[100] == pytest.approx(-0.5)

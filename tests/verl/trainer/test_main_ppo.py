@@ -214,3 +214,23 @@ def test_a_resumed_step_samples_what_the_uninterrupted_run_sampled(tiny_model_di
     assert [resumed[-1][k] for k in keys] == [straight[-1][k] for k in keys]
     assert straight[0]["response/length"] != straight[1]["response/length"] or \
         straight[0]["reward/mean"] != straight[1]["reward/mean"]  # the steps sampled differently
+
+
+def test_grpo_with_dapos_filter_groups_and_overlong_buffer(tiny_model_dir, bundled_data, bm25_server, tmp_path):
+    """algorithm.filter_groups and reward_model.overlong_buffer (verl's keys) through main_ppo: each
+    step logs its generation batches and dropped groups, every draw is listed in data_order.jsonl,
+    and the overlong penalty is logged."""
+    args = common(tiny_model_dir, bundled_data, bm25_server) + [
+        "algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.name=hf", "trainer.single_process=true",
+        "trainer.n_gpus_per_node=1", "trainer.total_training_steps=2", "trainer.val_before_train=false",
+        "actor_rollout_ref.actor.use_kl_loss=true", "algorithm.use_kl_in_reward=false",
+        "algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=seq_reward",
+        "algorithm.filter_groups.max_num_gen_batches=8", "reward_model.overlong_buffer.enable=true",
+        "reward_model.overlong_buffer.len=8", "reward_model.overlong_buffer.penalty_factor=0.5"]
+    rows, _ = train(args, tmp_path / "dapo")
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(r["filter_groups/gen_batches"] >= 1 and "filter_groups/dropped_groups" in r
+               and "reward/overlong_penalty" in r and r["grad_norm"] > 0 for r in rows)
+    order = [json.loads(line) for line in (tmp_path / "dapo" / "data_order.jsonl").read_text().splitlines()]
+    assert [(o["step"], o["gen_batch"]) for o in order] == [
+        (step, g) for r, step in zip(rows, (1, 2)) for g in range(1, int(r["filter_groups/gen_batches"]) + 1)]

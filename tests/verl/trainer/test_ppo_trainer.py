@@ -104,3 +104,144 @@ def test_a_training_rollout_asks_for_the_engines_log_probs_only_with_calculate_l
         trainer.train_step([])
     assert seen == {"greedy": False, "logprobs": calculate}
 
+
+
+# -- DAPO's dynamic sampling (algorithm.filter_groups): the loop, with generation replaced -------
+
+def _filtering_trainer(tmp_path, rewards, prompts=12, metric="seq_reward", **keys):
+    """A trainer whose rollout gives prompt i's two samples the texts rewards[i], scored as
+    "score" or "score,em"; 4 prompts a step. Generation is replaced: the loop is under test."""
+    from types import SimpleNamespace
+
+    from verl.batch import pack_trajectories
+    from verl.workers.rollout.agent_loop import TrajectoryStats
+    trainer = _trainer(algorithm__filter_groups__enable=True, algorithm__filter_groups__metric=metric, **keys)
+    trainer.out_dir = str(tmp_path)
+    trainer.sampler = PromptSampler([Example([1, 2], "nq", "a", i) for i in range(prompts)], batch_size=4,
+                                    shuffle=False, seed=0)
+    trainer.gen_batches_seen = []
+
+    def rollout(examples, n, greedy, logprobs=False, gen_batch=0):
+        trainer.gen_batches_seen.append((gen_batch, [e.index for e in examples]))
+        texts = [t for e in examples for t in rewards[e.index]]
+        batch = pack_trajectories([e.prompt_ids for e in examples for _ in range(n)], [[5, 6, 7]] * len(texts),
+                                  [[1, 1, 1]] * len(texts), [e.index for e in examples for _ in range(n)], 0)
+        batch.info = {"response_text": texts, "stats": [TrajectoryStats("eos", 3, 3) for _ in texts]}
+        return PPOTrainer.with_targets(batch, examples, n)
+
+    def reward(source, text, gt):
+        score, _, em = text.partition(",")
+        return SimpleNamespace(score=float(score), em=float(em or score))
+
+    trainer.rollout, trainer.reward_fn, trainer.reward_takes_extra_info = rollout, reward, False
+    return trainer
+
+
+FLAT, VARIED = ["0", "0"], ["1", "0"]
+
+
+def test_flat_groups_are_dropped_and_more_prompts_drawn_until_a_full_batch_of_the_first_kept_groups(tmp_path):
+    import json
+
+    from verl.trainer.ppo_trainer import Timer
+    rewards = {i: FLAT if i in (0, 2, 3) else VARIED for i in range(12)}
+    trainer = _filtering_trainer(tmp_path, rewards)
+    t = Timer()
+    batch, metrics, generated = trainer.rollout_varied_groups(trainer.sampler.next_batch(), 2, t)
+    assert [e for e, _ in trainer.gen_batches_seen] == [0, 1]            # each with seeds of its own
+    assert len(batch) == 8 and len(set(batch.group_ids_B.tolist())) == 4   # data.train_batch_size groups
+    # prompt 1 of the first batch, then 4, 5, 6 of the second (7 is left out: the batch is full)
+    assert batch.rewards_B.tolist() == [1.0, 0.0] * 4
+    assert [trainer.gen_batches_seen[g][1] for g in (0, 1)] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert metrics["filter_groups/dropped_groups"] == 3 and metrics["filter_groups/gen_batches"] == 2
+    assert metrics["reward/flat_groups"] == pytest.approx((3 / 4 + 0) / 2)   # over what was generated
+    assert generated == 16 * 3                                           # both batches' tokens
+    assert set(t.seconds) == {"rollout", "reward"}
+    # the second draw is listed under the same step; the sampler has consumed both batches
+    rows = [json.loads(line) for line in (tmp_path / "data_order.jsonl").read_text().splitlines()]
+    assert rows == [{"step": 1, "indices": [4, 5, 6, 7], "gen_batch": 2}]
+    assert trainer.sampler.state() == {"epoch": 0, "position": 2}
+
+
+def test_a_resumed_run_draws_after_the_last_batch_a_filtered_step_drew(tmp_path):
+    import json
+
+    from verl.trainer.ppo_trainer import Timer
+    rewards = {i: FLAT if i < 4 else VARIED for i in range(12)}
+    trainer = _filtering_trainer(tmp_path, rewards)
+    trainer.rollout_varied_groups(trainer.draw_prompts(), 2, Timer())   # the step's first draw, as fit's
+    saved = trainer.sampler.state()                                      # what save() stores
+    resumed = PromptSampler(trainer.sampler.examples, batch_size=4, shuffle=False, seed=0)
+    resumed.restore(saved)
+    assert [e.index for e in resumed.next_batch()] == [8, 9, 10, 11]
+    rows = (tmp_path / "data_order.jsonl").read_text().splitlines()
+    assert [json.loads(r)["gen_batch"] for r in rows] == [1, 2]
+
+
+def test_past_max_num_gen_batches_the_run_stops_naming_the_key(tmp_path):
+    from verl.trainer.ppo_trainer import FilterGroupsExhausted, Timer
+    rewards = {i: FLAT if i < 8 else VARIED for i in range(12)}
+    trainer = _filtering_trainer(tmp_path, rewards, algorithm__filter_groups__max_num_gen_batches=2)
+    with pytest.raises(FilterGroupsExhausted, match="algorithm.filter_groups.max_num_gen_batches=2"):
+        trainer.rollout_varied_groups(trainer.sampler.next_batch(), 2, Timer())
+    trainer = _filtering_trainer(tmp_path, rewards, algorithm__filter_groups__max_num_gen_batches=3)
+    _, metrics, _ = trainer.rollout_varied_groups(trainer.sampler.next_batch(), 2, Timer())
+    assert metrics["filter_groups/gen_batches"] == 3 and metrics["filter_groups/dropped_groups"] == 8
+
+
+@pytest.mark.parametrize("metric, kept_first", [("acc", 4), ("score", 0)])
+def test_the_filter_metric_picks_the_value_that_must_vary(tmp_path, metric, kept_first):
+    """Prompt 0's samples differ in score (a format term) but not in exact match."""
+    from verl.trainer.ppo_trainer import Timer
+    rewards = {i: ["0.2,0", "0,0"] if i == 0 else VARIED for i in range(12)}
+    trainer = _filtering_trainer(tmp_path, rewards, metric=metric)
+    batch, metrics, _ = trainer.rollout_varied_groups(trainer.sampler.next_batch(), 2, Timer())
+    assert trainer.gen_batches_seen[-1][1][0] == kept_first              # the first prompt of the last batch
+    assert metrics["filter_groups/dropped_groups"] == (metric == "acc")
+
+
+def test_a_prompt_drawn_twice_in_a_step_makes_two_groups(tmp_path):
+    """Past an epoch's end the sampler gives the same prompts again: their groups stay apart."""
+    from verl.trainer import core_algos
+    from verl.trainer.ppo_trainer import Timer
+    rewards = {0: VARIED, 1: FLAT, 2: FLAT, 3: FLAT}
+    trainer = _filtering_trainer(tmp_path, rewards, prompts=4)
+    batch, metrics, _ = trainer.rollout_varied_groups(trainer.sampler.next_batch(), 2, Timer())
+    assert metrics["filter_groups/gen_batches"] == 4 and len(set(batch.group_ids_B.tolist())) == 4
+    adv_BR = core_algos.grpo_advantages(batch.rewards_B, batch.group_ids_B, batch.loss_mask_BR)
+    assert adv_BR[:, 0].tolist() == pytest.approx([0.7071, -0.7071] * 4, abs=1e-3)
+
+
+def test_the_step_filters_groups_only_with_filter_groups_enabled(tmp_path):
+    trainer = _filtering_trainer(tmp_path, {})
+
+    def filtered(examples, n, t):
+        raise _Stop
+
+    trainer.rollout_varied_groups = filtered
+    with pytest.raises(_Stop):
+        trainer.train_step([])
+    trainer.cfg.algorithm.filter_groups.enable = False
+    trainer.rollout = lambda *a, **k: (_ for _ in ()).throw(_Stop())   # the plain rollout
+    with pytest.raises(_Stop):
+        trainer.train_step([])
+
+
+def test_the_overlong_buffer_penalises_responses_near_the_limit_and_leaves_the_score_for_the_filter(tmp_path):
+    from verl.batch import pack_trajectories
+    from verl.workers.rollout.agent_loop import TrajectoryStats
+    trainer = _trainer(data__max_response_length=100, reward__overlong_buffer__enable=True,
+                       reward__overlong_buffer__len=20, reward__overlong_buffer__penalty_factor=1.0)
+    trainer.reward_fn, trainer.reward_takes_extra_info = (lambda source, text, gt: 1.0), False
+    batch = pack_trajectories([[1]] * 3, [[5]] * 3, [[1]] * 3, [0, 0, 0], 0)
+    batch.info = {"response_text": ["x"] * 3, "data_source": ["nq"] * 3, "ground_truth": ["a"] * 3,
+                  "stats": [TrajectoryStats("eos", n, n) for n in (50, 90, 100)]}
+    rewards_B, metrics = trainer.score(batch)
+    assert rewards_B.tolist() == pytest.approx([1.0, 0.5, 0.0])
+    assert batch.info["score"] == [1.0, 1.0, 1.0] and batch.info["reward"] == pytest.approx([1.0, 0.5, 0.0])
+    assert metrics["reward/overlong_share"] == pytest.approx(2 / 3)
+    assert metrics["reward/overlong_penalty"] == pytest.approx(-0.5)
+    assert metrics["reward/mean"] == pytest.approx(0.5)
+    off = _trainer(data__max_response_length=100)
+    off.reward_fn, off.reward_takes_extra_info = trainer.reward_fn, False
+    assert off.score(batch)[0].tolist() == [1.0, 1.0, 1.0]
