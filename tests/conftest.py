@@ -258,3 +258,35 @@ def tool_caller_model(tiny_model_dir, verl_tool_data, tmp_path_factory) -> Path:
     model.save_pretrained(out)
     tok.save_pretrained(out)
     return out
+
+
+# A chat template of ours with a thinking switch, as thinking models (Qwen3) have one: ChatML turns,
+# the tools listed in the system turn, tool messages in a user turn; `enable_thinking=false` writes
+# an empty, closed think block after the generation prompt, and thinking on leaves the block to the model.
+THINKING_TEMPLATE = (
+    "{%- if tools or messages[0].role == 'system' %}{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0].role == 'system' %}{{- messages[0].content }}{%- endif %}"
+    "{%- if tools %}{{- '\\nTools you may call, one JSON object each between <tool_call> and </tool_call>:' }}"
+    "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}{%- endif %}"
+    "{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'user' or message.role == 'assistant' %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'tool' %}"
+    "{{- '<|im_start|>user\\n<tool_response>\\n' + message.content + '\\n</tool_response><|im_end|>\\n' }}"
+    "{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and not enable_thinking %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
+    "{%- endif %}"
+)
+
+
+@pytest.fixture(scope="session")
+def thinking_tokenizer_dir(tiny_model_dir, tmp_path_factory) -> str:
+    """The tiny model's tokenizer with THINKING_TEMPLATE as its chat template."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tok.chat_template = THINKING_TEMPLATE
+    out = tmp_path_factory.mktemp("tokenizers") / "thinking"
+    tok.save_pretrained(out)
+    return str(out)
