@@ -82,6 +82,11 @@ def checkpoint_problem(model: str | None) -> str | None:
             f"--config-source BASE_MODEL_DIR --out DIR")
 
 
+def template_kwargs_arg(text: str) -> dict:
+    from search_r1.evaluate import template_kwargs
+    return template_kwargs(text)
+
+
 def build_parser():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -101,6 +106,10 @@ def build_parser():
     p.add_argument("--turn-prefix", default="", metavar="TEXT",
                    help="text written after each observation, opening the model's next turn, as in its training "
                         "(actor_rollout_ref.rollout.agent_kwargs.turn_prefix); tags protocol only")
+    p.add_argument("--chat-template-kwargs", type=template_kwargs_arg, default={}, metavar="JSON",
+                   help="more keyword arguments of the chat template, as a JSON object, e.g. "
+                        "'{\"enable_thinking\": false}' for Qwen3 (data.apply_chat_template_kwargs in training). "
+                        "Where the template has the model think natively, our prompt does not ask for <think>")
     p.add_argument("--max-turns", type=int, default=4, help="searches allowed")
     # All turns together; --max-response-length, its earlier name, still works (the trainer's key of
     # that name counts one turn).
@@ -110,6 +119,22 @@ def build_parser():
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     p.add_argument("--no-colour", action="store_true", help="plain text output")
     return p
+
+
+def prompt_ids(tok, question: str, args, chat=None) -> list[int]:
+    """The prompt's ids for `question`; `chat`: the tool protocol's ChatFormat. Where the chat template
+    has the model think natively (verl.utils.dataset.thinks_natively), our prompt does not ask for <think>."""
+    from search_r1.data.templates import make_prompt, make_prompt_text
+    from verl.utils.dataset import thinks_natively
+    native = thinks_natively(tok, args.chat_template_kwargs)
+    if chat is not None:
+        return chat.prompt_ids(make_prompt(question, "tool", native))
+    if args.template == "instruct" and tok.chat_template:
+        prompt = tok.apply_chat_template(make_prompt(question, native_thinking=native), add_generation_prompt=True,
+                                         tokenize=False, **args.chat_template_kwargs)
+    else:
+        prompt = make_prompt_text(question, "base")
+    return tok(prompt + args.response_prefix, add_special_tokens=False).input_ids
 
 
 def main(argv=None) -> int:
@@ -131,7 +156,6 @@ def main(argv=None) -> int:
 
     from verl.workers.rollout.engines import HFEngine, SamplingConfig, VLLMEngine
     from search_r1.agent.loop import AgentConfig, HTTPSearcher, SearchAgent
-    from search_r1.data.templates import make_prompt, make_prompt_text
     from search_r1.retrieval.client import RetrieverConfig
 
     model = args.model
@@ -156,25 +180,18 @@ def main(argv=None) -> int:
         from search_r1.agent.search_tool import search_tool_agent
         from verl.workers.rollout.tool_loop import ToolAgentConfig
         agent = search_tool_agent(engine, retriever, ToolAgentConfig(
-            max_turns=args.max_turns, max_response_tokens=args.max_response_tokens), on_event=show)
+            max_turns=args.max_turns, max_response_tokens=args.max_response_tokens), on_event=show,
+            template_kwargs=args.chat_template_kwargs)
     else:
         agent = SearchAgent(engine, HTTPSearcher(retriever), AgentConfig(
             max_turns=args.max_turns, topk=args.topk, max_response_tokens=args.max_response_tokens,
             turn_prefix=args.turn_prefix), on_event=show)
 
-    def prompt_ids(question: str) -> list[int]:
-        if args.protocol == "tools":
-            return agent.chat.prompt_ids(make_prompt(question, "tool"))
-        if args.template == "instruct" and tok.chat_template:
-            prompt = tok.apply_chat_template(make_prompt(question), add_generation_prompt=True, tokenize=False)
-        else:
-            prompt = make_prompt_text(question, "base")
-        return tok(prompt + args.response_prefix, add_special_tokens=False).input_ids
-
+    chat = agent.chat if args.protocol == "tools" else None
     def ask(question: str):
         state[0] = ""
         print(colourise(args.response_prefix, state, colour), end="", flush=True)  # the response's start
-        (t,) = agent.run([prompt_ids(question)],
+        (t,) = agent.run([prompt_ids(tok, question, args, chat)],
                          SamplingConfig(temperature=args.temperature, max_tokens=args.max_response_tokens))
         from search_r1.rewards import extract_answer
         answer = extract_answer(args.response_prefix + tok.decode(t.response_ids, skip_special_tokens=True))

@@ -27,7 +27,7 @@ import re
 import sys
 import time
 from collections import defaultdict
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from pathlib import Path
 from statistics import fmean
@@ -75,6 +75,9 @@ class EvalConfig:
     template: str = "instruct"        # instruct: apply the chat template; base: plain text
     protocol: str = "tags"            # tags: <search>/<information>; tools: search tool calls (search mode)
     turn_prefix: str = ""             # tags, search mode: written after each observation (AgentConfig.turn_prefix)
+    # more keyword arguments of the chat template, e.g. {"enable_thinking": False} (training's
+    # data.apply_chat_template_kwargs); the prompts and the tool protocol's tool messages get them
+    chat_template_kwargs: dict = field(default_factory=dict)
     base_model: str | None = None     # config/tokenizer source when exporting a checkpoint
     # A checkpoint without manifest.json (written before checksums existed) is exported unchecked;
     # False: it is refused as corrupt, as a partial copy is.
@@ -297,14 +300,14 @@ def build_engine(cfg: EvalConfig, model: str, max_model_len: int):
 # Running a model
 
 
-def _encode(tokenizer, messages: list[dict], template: str) -> list[int]:
+def _encode(tokenizer, messages: list[dict], template: str, template_kwargs: dict | None = None) -> list[int]:
     """Prompt ids exactly as the trainer builds them: its own function, so the two cannot drift
     (a tokenizer without a chat template gets the raw text, as in training)."""
     from verl.utils.dataset import encode_prompt
     use_chat_template = template != "base" and bool(getattr(tokenizer, "chat_template", None))
     if template != "base" and not use_chat_template:
         _warn_no_template()
-    return encode_prompt(messages, tokenizer, use_chat_template, "evaluation prompt")
+    return encode_prompt(messages, tokenizer, use_chat_template, "evaluation prompt", template_kwargs=template_kwargs)
 
 
 @functools.cache
@@ -321,10 +324,11 @@ def build_prompts(cfg: EvalConfig, questions: list[Question], tokenizer) -> tupl
         if cfg.protocol == "tools":  # rendered with the search tool, as the tool-calling loop trains them
             from search_r1.agent.search_tool import search_chat_format
             from verl.utils.dataset import encode_prompt
-            chat = search_chat_format(tokenizer)
+            chat = search_chat_format(tokenizer, cfg.chat_template_kwargs)
             return [encode_prompt(q.messages, tokenizer, True, "evaluation prompt", chat) for q in questions], \
                 [[] for _ in questions]
-        return [_encode(tokenizer, q.messages, cfg.template) for q in questions], [[] for _ in questions]
+        return [_encode(tokenizer, q.messages, cfg.template, cfg.chat_template_kwargs) for q in questions], \
+            [[] for _ in questions]
     if cfg.mode == Mode.NO_SEARCH:
         texts = [DIRECT_PROMPT.format(question=q.question) for q in questions]
         retrieved = [[] for _ in questions]
@@ -332,7 +336,8 @@ def build_prompts(cfg: EvalConfig, questions: list[Question], tokenizer) -> tupl
         hits = retrieve([q.question for q in questions], cfg.retriever_url, cfg.topk)
         texts = [RAG_PROMPT.format(passages=format_passages(h), question=q.question) for q, h in zip(questions, hits)]
         retrieved = [[h.get("document", h).get("id") for h in hit] for hit in hits]
-    prompts = [_encode(tokenizer, [{"role": "user", "content": t}], cfg.template) for t in texts]
+    prompts = [_encode(tokenizer, [{"role": "user", "content": t}], cfg.template, cfg.chat_template_kwargs)
+               for t in texts]
     return prompts, retrieved
 
 
@@ -373,7 +378,7 @@ def generate(cfg: EvalConfig, engine, prompts: list[list[int]]) -> list[dict]:
             from verl.workers.rollout.tool_loop import ToolAgentConfig
             agent = search_tool_agent(engine, retriever, ToolAgentConfig(
                 max_turns=cfg.max_turns, max_response_tokens=budget, max_obs_length=cfg.max_obs_length,
-                schedule=schedule))
+                schedule=schedule), template_kwargs=cfg.chat_template_kwargs)
         else:
             agent = SearchAgent(engine, HTTPSearcher(retriever),
                                 AgentConfig(max_turns=cfg.max_turns, max_response_tokens=budget,
@@ -512,6 +517,19 @@ def run_retrieval_eval(data: list[str], retriever_url: str, topks: list[int], ou
 # Command line
 
 
+def template_kwargs(text: str) -> dict:
+    """A --chat-template-kwargs value: a JSON object."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"{text!r} is not JSON ({e}): give an object, e.g. "
+                                         "'{\"enable_thinking\": false}'") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a JSON object: give one, e.g. "
+                                         "'{\"enable_thinking\": false}'")
+    return value
+
+
 def _files(values: list[str]) -> list[str]:
     return [f for v in values for f in v.split(",") if f]
 
@@ -538,6 +556,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--protocol", choices=["tags", "tools"], default=d.protocol,
                    help="tags: Search-R1's <search>/<information>; tools: search tool calls through the chat "
                         "template (data built with qa_search.py --template tool)")
+    p.add_argument("--chat-template-kwargs", type=template_kwargs, default={}, metavar="JSON",
+                   help="more keyword arguments of the chat template, as a JSON object, e.g. "
+                        "'{\"enable_thinking\": false}' for Qwen3 (data.apply_chat_template_kwargs in training)")
     p.add_argument("--turn-prefix", default=d.turn_prefix,
                    help="search mode, tags: text written after each observation, opening the model's next turn "
                         "(e.g. '<think>'; as the model was trained: actor_rollout_ref.rollout.agent_kwargs.turn_prefix)")
@@ -583,7 +604,7 @@ def main(args: argparse.Namespace) -> None:
         retriever_url=args.retriever_url, limit=args.limit, temperature=args.temperature,
         max_turns=args.max_turns, topk=args.topk, max_response_length=args.max_response_length,
         max_obs_length=args.max_obs_length, template=args.template, protocol=args.protocol,
-        turn_prefix=args.turn_prefix, base_model=args.base_model,
+        turn_prefix=args.turn_prefix, chat_template_kwargs=args.chat_template_kwargs, base_model=args.base_model,
         allow_unverified_checkpoint=args.allow_unverified_checkpoint,
         label=args.label, batch_size=args.batch_size, schedule=args.schedule, engine_core=args.engine_core,
         gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_gib=args.kv_cache_gib,

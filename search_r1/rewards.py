@@ -10,6 +10,9 @@ otherwise be taken for the model's answer.
 Rules chosen here, where the paper leaves room:
 - `extract_answer` takes the last *innermost* `<answer>…</answer>` pair and ignores text inside
   `<information>` blocks, so a retrieved passage can never be scored as the model's answer.
+  It reads the answer after the thinking: an answer inside `<think>…</think>` (written natively by a
+  thinking model such as Qwen3, in either protocol) is a draft and does not count, nor one after a
+  `<think>` never closed, nor one before a first `</think>` that closes thinking the prompt opened.
 - `normalize_answer` is SQuAD's normalisation (casefold, drop punctuation and the articles a/an/the,
   collapse whitespace) extended to Unicode: Latin-script accents are dropped ("São Paulo" matches
   "Sao Paulo"), compatibility forms are folded (full-width letters, ligatures) and punctuation of
@@ -69,6 +72,22 @@ def _without_information(text: str) -> str:
         parts += [text[pos:start], " "]
         pos = end
     return "".join(parts) + text[pos:]
+
+
+def _without_thinking(text: str) -> str:
+    """`text` without its thinking (see the module docstring), each block replaced by a space."""
+    first_open, first_close = text.find("<think>"), text.find("</think>")
+    pos = 0
+    if first_close != -1 and (first_open == -1 or first_close < first_open):
+        pos = first_close + len("</think>")   # the prompt opened the thinking
+    parts = []
+    while (start := text.find("<think>", pos)) != -1:
+        parts.append(text[pos:start])
+        end = text.find("</think>", start + len("<think>"))
+        if end == -1:
+            return " ".join(parts)   # never closed: the rest is thinking
+        pos = end + len("</think>")
+    return " ".join(parts + [text[pos:]])
 
 
 # The tool-calling protocol writes a search as a <tool_call> block and its passages as a tool
@@ -137,9 +156,9 @@ def extract_answer(response: str) -> str | None:
     """The stripped content of the last complete `<answer>…</answer>` in `response`, else None.
 
     Pass the response only (never prompt + response): the prompt's example answer must not count.
-    An empty pair gives "" (an answer that is simply wrong), not None.
+    An empty pair gives "" (an answer that is simply wrong), not None. Thinking is skipped.
     """
-    matches = _ANSWER.findall(_without_information(as_tags(response)))
+    matches = _ANSWER.findall(_without_thinking(_without_information(as_tags(response))))
     return matches[-1].strip() if matches else None
 
 

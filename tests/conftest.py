@@ -258,3 +258,62 @@ def tool_caller_model(tiny_model_dir, verl_tool_data, tmp_path_factory) -> Path:
     model.save_pretrained(out)
     tok.save_pretrained(out)
     return out
+
+
+# A chat template of ours with a thinking switch, as thinking models (Qwen3) have one: ChatML turns,
+# the tools listed in the system turn, tool messages in a user turn; `enable_thinking=false` writes
+# an empty, closed think block after the generation prompt, and thinking on leaves the block to the model.
+THINKING_TEMPLATE = (
+    "{%- if tools or messages[0].role == 'system' %}{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0].role == 'system' %}{{- messages[0].content }}{%- endif %}"
+    "{%- if tools %}{{- '\\nTools you may call, one JSON object each between <tool_call> and </tool_call>:' }}"
+    "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}{%- endif %}"
+    "{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'user' or message.role == 'assistant' %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'tool' %}"
+    "{{- '<|im_start|>user\\n<tool_response>\\n' + message.content + '\\n</tool_response><|im_end|>\\n' }}"
+    "{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and not enable_thinking %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
+    "{%- endif %}"
+)
+
+
+@pytest.fixture(scope="session")
+def thinking_tokenizer_dir(tiny_model_dir, tmp_path_factory) -> str:
+    """The tiny model's tokenizer with THINKING_TEMPLATE as its chat template."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tok.chat_template = THINKING_TEMPLATE
+    out = tmp_path_factory.mktemp("tokenizers") / "thinking"
+    tok.save_pretrained(out)
+    return str(out)
+
+
+def make_tiny_qwen3(out: Path, tokenizer_dir: str, moe: bool) -> str:
+    """A random Qwen3 (dense) or Qwen3-MoE of a few layers, with the tokenizer in `tokenizer_dir`:
+    the shapes of the Qwen3 family (q/k norms, and for MoE routed experts) at toy size."""
+    import torch
+    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    shape = dict(vocab_size=len(tok), hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                 num_key_value_heads=1, head_dim=32, max_position_embeddings=512, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    if moe:
+        config = Qwen3MoeConfig(**shape, intermediate_size=128, moe_intermediate_size=32, num_experts=4,
+                                num_experts_per_tok=2, decoder_sparse_step=1, initializer_range=0.3)
+        model = Qwen3MoeForCausalLM(config)
+    else:
+        model = Qwen3ForCausalLM(Qwen3Config(**shape, intermediate_size=128, initializer_range=0.3))
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return str(out)
+
+
+@pytest.fixture(scope="session", params=["dense", "moe"])
+def tiny_qwen3_dir(request, thinking_tokenizer_dir, tmp_path_factory) -> str:
+    """Tiny random Qwen3 models, dense and MoE, with the thinking template's tokenizer."""
+    return make_tiny_qwen3(tmp_path_factory.mktemp("models") / f"qwen3_{request.param}", thinking_tokenizer_dir,
+                           moe=request.param == "moe")

@@ -81,3 +81,25 @@ def test_a_training_checkpoint_is_refused_with_what_to_use_instead(tmp_path, cap
         assert "is a training checkpoint" in err and str(tmp_path / "run" / "hf_actor") in err
         assert "python -m verl.trainer.checkpoint export --checkpoint" in err
     assert infer.checkpoint_problem(str(tmp_path)) is None  # no checkpoint there: a model directory as before
+
+
+def test_prompt_asks_for_thinking_only_where_the_template_does_not(thinking_tokenizer_dir):
+    """With the thinking switch on, the model's template asks for thinking, so our prompt leaves out its
+    <think> instruction; with it off (--chat-template-kwargs), the instruction stays and the kwargs reach
+    the template (its empty think block ends the prompt). Both protocols."""
+    from transformers import AutoTokenizer
+
+    from search_r1.agent.search_tool import search_chat_format
+    from search_r1.data.templates import THINK_INSTRUCTION
+    tok = AutoTokenizer.from_pretrained(thinking_tokenizer_dir)
+    for protocol in ("tags", "tools"):
+        texts = {}
+        for flag in ("{}", '{"enable_thinking": false}'):
+            args = infer.build_parser().parse_args(["--protocol", protocol, "--chat-template-kwargs", flag, "q"])
+            chat = search_chat_format(tok, args.chat_template_kwargs) if protocol == "tools" else None
+            texts[flag] = tok.decode(infer.prompt_ids(tok, "Where is Tartu?", args, chat))
+        assert THINK_INSTRUCTION.strip() not in texts["{}"] and not texts["{}"].endswith("</think>\n\n")
+        assert THINK_INSTRUCTION.strip() in texts['{"enable_thinking": false}']
+        assert texts['{"enable_thinking": false}'].endswith("<think>\n\n</think>\n\n")
+    with pytest.raises(SystemExit):
+        infer.build_parser().parse_args(["--chat-template-kwargs", "[1]", "q"])

@@ -130,18 +130,19 @@ class SearchTool(Tool):
             await self._client.aclose()
 
 
-def search_chat_format(tokenizer):
-    """The chat format that lists the search tool (our schema) in prompts."""
+def search_chat_format(tokenizer, template_kwargs: dict | None = None):
+    """The chat format that lists the search tool (our schema) in prompts; `template_kwargs`: more
+    keyword arguments of the chat template (e.g. {"enable_thinking": False})."""
     from verl.tools.chat import ChatFormat
-    return ChatFormat(tokenizer, [SCHEMA])
+    return ChatFormat(tokenizer, [SCHEMA], template_kwargs)
 
 
-def search_tool_agent(engine, retriever, cfg, on_event=None):
+def search_tool_agent(engine, retriever, cfg, on_event=None, template_kwargs: dict | None = None):
     """The tool-calling loop with the search tool over `retriever` (a RetrieverConfig), for
     evaluation and infer.py; `cfg` is a ToolAgentConfig. Close it with `agent.runner.close()`."""
     from verl.tools.base import ToolRunner
     from verl.workers.rollout.tool_loop import ToolCallingAgent
     tool = SearchTool({"retrieval_service_url": retriever.url, "topk": retriever.topk, "api_key": retriever.api_key,
                        "timeout": retriever.timeout_s})
-    return ToolCallingAgent(engine, search_chat_format(engine.tokenizer), ToolRunner({tool.name: tool}), cfg,
-                            on_event)
+    return ToolCallingAgent(engine, search_chat_format(engine.tokenizer, template_kwargs), ToolRunner({tool.name: tool}),
+                            cfg, on_event)

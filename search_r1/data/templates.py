@@ -7,6 +7,11 @@ the instruct one speaks to the assistant and is sent through the model's chat te
 template is for the tool-calling protocol: searches are tool calls the chat template teaches, and
 only <think> and <answer> remain tags.
 
+A model whose chat template has it think on its own (Qwen3 with thinking on, templates that open
+<think> themselves: `verl.utils.dataset.thinks_natively` gives the rule) gets our templates without
+THINK_INSTRUCTION (`native_thinking=True`): its template asks for the thinking already, and the
+tags stay the same, so the agent loop and the rewards read its responses unchanged.
+
 Users may bring their own template instead (`qa_search.py --template-file`), e.g. the exact prompt
 of runs made with the original scripts. Templates are Python format strings: PLACEHOLDERS lists the
 fields, and literal braces are written `{{` and `}}`.
@@ -82,6 +87,10 @@ _TOOL = (
 )
 TOOL_SYSTEM = "You are a helpful assistant who answers questions with the help of a search tool."
 
+# The line of the chat templates (instruct, example, tool) that asks for thinking; dropped for a model
+# that thinks natively.
+THINK_INSTRUCTION = "Think inside <think> and </think> first, and again each time new information arrives.\n"
+
 # "base": raw text, no chat template applied; "instruct" and "example": wrapped by the tokenizer's chat template;
 # "tool": a system and a user message, rendered with the search tool by the chat template;
 # "example_think": "example", with the model's response begun by "<think>" (RESPONSE_PREFIXES);
@@ -137,18 +146,25 @@ def fill_template(text: str, question: str) -> str:
     return text.format(question=_clean_question(question))
 
 
-def make_prompt_text(question: str, template: str = "instruct") -> str:
+def without_think_instruction(text: str) -> str:
+    """A template's text without THINK_INSTRUCTION, for a model that thinks natively."""
+    return text.replace(THINK_INSTRUCTION, "")
+
+
+def make_prompt_text(question: str, template: str = "instruct", native_thinking: bool = False) -> str:
     """The prompt as plain text, for models fed without a chat template."""
     if template not in TEMPLATES:
         raise ValueError(f"Unknown prompt template {template!r}: use one of {sorted(TEMPLATES)}.")
-    return fill_template(TEMPLATES[template], question)
+    text = TEMPLATES[template]
+    return fill_template(without_think_instruction(text) if native_thinking else text, question)
 
 
-def make_prompt(question: str, template: str = "instruct") -> list[dict]:
+def make_prompt(question: str, template: str = "instruct", native_thinking: bool = False) -> list[dict]:
     """The prompt as chat messages (one user turn), the form stored in the training parquet.
 
     For `base` the content is the raw text; the trainer decides not to apply a chat template.
-    `tool` adds a system message, as verl's search-tool rows have.
+    `tool` adds a system message, as verl's search-tool rows have. `native_thinking`: the model's chat
+    template asks for thinking itself, so ours does not.
     """
-    user = [{"role": "user", "content": make_prompt_text(question, template)}]
+    user = [{"role": "user", "content": make_prompt_text(question, template, native_thinking)}]
     return [{"role": "system", "content": TOOL_SYSTEM}] + user if template == "tool" else user

@@ -408,3 +408,24 @@ def test_eval_turn_prefix_opens_the_turn_after_each_observation(tiny_model_dir, 
     with pytest.raises(ValueError, match="--turn-prefix"):
         run_eval(EvalConfig(model=tiny_model_dir, data=[test_parquet], out=str(tmp_path / "tools"),
                             protocol="tools", turn_prefix="<think>"))
+
+
+def test_chat_template_kwargs_reach_the_prompts_of_every_mode_and_protocol(thinking_tokenizer_dir, tmp_path):
+    import argparse
+
+    from transformers import AutoTokenizer
+
+    from search_r1.evaluate import EvalConfig, Question, add_parser, build_prompts
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers(dest="cmd"))
+    args = parser.parse_args(["eval", "--model", "m", "--data", "d", "--out", "o",
+                              "--chat-template-kwargs", '{"enable_thinking": false}'])
+    assert args.chat_template_kwargs == {"enable_thinking": False}
+    tok = AutoTokenizer.from_pretrained(thinking_tokenizer_dir)
+    question = Question("nq", "Where is Tartu?", ["Estonia"], [{"role": "user", "content": "Question: Where is Tartu?"}], 0)
+    for mode, protocol in (("search", "tags"), ("search", "tools"), ("no-search", "tags")):
+        for kwargs, ends_thinking_off in (({}, False), (args.chat_template_kwargs, True)):
+            cfg = EvalConfig(model="m", data=[], out=str(tmp_path), mode=mode, protocol=protocol,
+                             chat_template_kwargs=kwargs)
+            (ids,), _ = build_prompts(cfg, [question], tok)
+            assert tok.decode(ids).endswith("<think>\n\n</think>\n\n") == ends_thinking_off, (mode, protocol)

@@ -54,6 +54,27 @@ def test_extract_answer_ignores_retrieved_text():
     assert extract_answer(response + "<think>y</think><answer>Paris</answer>") == "Paris"
 
 
+@pytest.mark.parametrize("response, expected", [
+    ("<think>maybe <answer>Lyon</answer></think>\n\n<answer>Paris</answer>", "Paris"),
+    ("<think>maybe <answer>Lyon</answer></think>\n\nI cannot tell.", None),   # a draft only
+    ("<think>first <answer>Lyon</answer> and never closed", None),
+    ("thinking the template opened <answer>Lyon</answer></think>\n\n<answer>Paris</answer>", "Paris"),
+    ("thinking the template opened <answer>Lyon</answer></think> no answer", None),
+    ("<think>\n\n</think>\n\n<answer>Paris</answer>", "Paris"),               # thinking switched off
+])
+def test_an_answer_inside_the_thinking_does_not_count(response, expected):
+    assert extract_answer(response) == expected
+    assert compute_score(response, ["Lyon"]).em == 0.0
+
+
+def test_a_tool_protocol_final_message_inside_the_thinking_does_not_count():
+    call = '<tool_call>\n{"name": "search", "arguments": {"query_list": ["capital"]}}\n</tool_call>'
+    passages = "<tool_response>\nDoc 1(Title: France) Its capital is Paris.\n</tool_response>"
+    start = f"<think> look </think>\n{call}\nuser\n{passages}\nassistant\n"
+    assert extract_answer(start + "<think> so <answer> Paris </answer> </think>\n\nDone.") is None
+    assert extract_answer(start + "<think> so <answer> Lyon </answer> </think>\n\n<answer> Paris </answer>") == "Paris"
+
+
 def test_prompt_example_answer_is_not_counted():
     prompt = ("Answer the question. For example, <answer> Beijing </answer>. "
               "Question: what is the capital of France?")

@@ -140,7 +140,7 @@ def agent_loop_settings(cfg: TrainerConfig, device: str) -> AgentLoopSettings:
                             "actor_rollout_ref.rollout.agent_kwargs")
     return AgentLoopSettings(max_tokens_per_turn=cfg.data.max_response_length, max_obs_length=cfg.data.max_obs_length,
                              schedule=agent_schedule(rollout, device), admit_every_steps=rollout.admit_every_steps,
-                             options=options)
+                             options=options, chat_template_kwargs=dict(cfg.data.apply_chat_template_kwargs or {}))
 
 
 def rollout_logprobs_BR(trajectories, width: int, loop_cls) -> torch.Tensor:

@@ -65,9 +65,9 @@ _PROBE_TOOL = {"type": "function", "function": {"name": "probe_tool_7f3a", "desc
 _MARK, _CONTENT = "MARK_5e1c", "CONTENT_9b2d"
 
 
-def _render(tokenizer, messages, tools, template, generation_prompt: bool) -> str:
+def _render(tokenizer, messages, tools, template, generation_prompt: bool, template_kwargs=None) -> str:
     return tokenizer.apply_chat_template(messages, tools=tools, chat_template=template, tokenize=False,
-                                         add_generation_prompt=generation_prompt)
+                                         add_generation_prompt=generation_prompt, **(template_kwargs or {}))
 
 
 def renders_tools(tokenizer, template: str | None = None) -> bool:
@@ -82,13 +82,17 @@ def renders_tools(tokenizer, template: str | None = None) -> bool:
 
 
 class ChatFormat:
-    """Prompt ids with tools, and the ids of a tool message, for one tokenizer and tool list."""
+    """Prompt ids with tools, and the ids of a tool message, for one tokenizer and tool list.
+    `template_kwargs`: more keyword arguments of the template (data.apply_chat_template_kwargs),
+    used for every rendering, so a switch such as Qwen3's enable_thinking reaches the generation
+    prompt written after each tool message too."""
 
-    def __init__(self, tokenizer, tools: list[dict[str, Any]]):
+    def __init__(self, tokenizer, tools: list[dict[str, Any]], template_kwargs: dict[str, Any] | None = None):
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError("the tool protocol needs a chat template (the tokenizer has none): use an instruct "
                              "model, or the tag protocol (Search-R1's <search> tags) for a base model")
         self.tokenizer, self.tools = tokenizer, tools
+        self.template_kwargs = dict(template_kwargs or {})
         self.template = None
         if not renders_tools(tokenizer):
             log.warning("the tokenizer's chat template cannot render tools; using the ChatML tool template "
@@ -97,7 +101,7 @@ class ChatFormat:
         self.turn_end, self.tool_open, self.tool_close = self._tool_message_frame()
 
     def render(self, messages: list[dict], generation_prompt: bool = True) -> str:
-        return _render(self.tokenizer, messages, self.tools, self.template, generation_prompt)
+        return _render(self.tokenizer, messages, self.tools, self.template, generation_prompt, self.template_kwargs)
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)

@@ -80,6 +80,9 @@ class DataConfig:
     shuffle_train_dataloader: bool = key(True, "training prompts in a new seeded order each epoch; false: file order")
     apply_chat_template: bool = key(True, "format the prompt messages with the tokenizer's chat template; false: "
                                           "their text as it is (base models)")
+    apply_chat_template_kwargs: dict[str, Any] | None = key(None, "verl's: more keyword arguments of the chat "
+                                                        "template, for prompts and tool messages alike, e.g. "
+                                                        "{enable_thinking: false} for Qwen3; null: none")
     seed: int = key(1, "seed of the training prompts' order (with shuffle_train_dataloader)")
 
 

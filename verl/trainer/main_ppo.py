@@ -65,9 +65,9 @@ def run(raw: DictConfig) -> None:
     data = cfg.data
     chat = tool_chat_format(cfg, tokenizer)
     train = load_examples(data.train_files, tokenizer, data.max_prompt_length, data.apply_chat_template,
-                          data.train_data_num, chat)
+                          data.train_data_num, chat, dict(data.apply_chat_template_kwargs or {}))
     val = (load_examples(data.val_files, tokenizer, data.max_prompt_length, data.apply_chat_template,
-                         data.val_data_num, chat) if data.val_files else None)
+                         data.val_data_num, chat, dict(data.apply_chat_template_kwargs or {})) if data.val_files else None)
     check_prompts(agent_cls, agent_settings, train, tokenizer)
     sampler = PromptSampler(train, data.train_batch_size, data.shuffle_train_dataloader, data.seed)
     total_steps = run_cfg.total_training_steps or sampler.steps_per_epoch * run_cfg.total_epochs
@@ -137,7 +137,8 @@ def tool_chat_format(cfg, tokenizer):
         raise ConfigError("actor_rollout_ref.rollout.multi_turn.enable=true renders the tools with the chat template: "
                           "data.apply_chat_template=false cannot go with it")
     try:
-        return ChatFormat(tokenizer, tool_schemas(read_tool_config(multi_turn.tool_config_path)))
+        return ChatFormat(tokenizer, tool_schemas(read_tool_config(multi_turn.tool_config_path)),
+                          dict(cfg.data.apply_chat_template_kwargs or {}))
     except (ValueError, FileNotFoundError) as e:
         raise ConfigError(f"actor_rollout_ref.rollout.multi_turn: {e}") from None
 

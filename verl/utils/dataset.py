@@ -24,6 +24,9 @@ data, and we never re-template it.
 A prompt whose last message is the assistant's is an unfinished response (e.g. "<think>", written by
 `qa_search.py --response-prefix`): the chat template renders it open (`continue_final_message`), the
 model continues it, and the rewards read its text as the response's start (`Example.response_prefix`).
+`data.apply_chat_template_kwargs` (verl's key) goes to every rendering, e.g. `{enable_thinking: false}`
+for Qwen3's thinking switch; `thinks_natively` reads from the rendered template whether the model
+is asked to think on its own.
 Deviation from the original: without a chat template it kept only the first message, which for
 verl's system + user rows drops the question; we keep every message.
 
@@ -124,9 +127,10 @@ def response_prefix(prompt: list[dict] | str) -> str:
 
 
 def encode_prompt(prompt: list[dict] | str, tokenizer, use_chat_template: bool, where: str,
-                  chat=None) -> list[int]:
+                  chat=None, template_kwargs: dict | None = None) -> list[int]:
     """Token ids of a prompt, its text untouched (see the module docstring). `chat`: a
-    verl.tools.chat.ChatFormat, whose template also lists the tools (the tool protocol)."""
+    verl.tools.chat.ChatFormat, whose template also lists the tools (the tool protocol) and holds
+    its own template kwargs; `template_kwargs`: more keyword arguments of the chat template."""
     open_response = bool(response_prefix(prompt))
     if chat is not None:
         if isinstance(prompt, str):
@@ -145,10 +149,33 @@ def encode_prompt(prompt: list[dict] | str, tokenizer, use_chat_template: bool, 
     if not use_chat_template:
         return tokenizer(messages_text(prompt, where)).input_ids
     if open_response:  # rendered without its end-of-turn, so that the model continues it
-        text = tokenizer.apply_chat_template(prompt, continue_final_message=True, tokenize=False)
+        text = tokenizer.apply_chat_template(prompt, continue_final_message=True, tokenize=False,
+                                             **(template_kwargs or {}))
     else:
-        text = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+        text = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False,
+                                             **(template_kwargs or {}))
     return tokenizer(text, add_special_tokens=False).input_ids
+
+
+def thinks_natively(tokenizer, template_kwargs: dict | None = None) -> bool:
+    """Whether the tokenizer's chat template, rendered with `template_kwargs`, has the model think in
+    its own <think> block. The rule, read off a one-question conversation:
+    - the generation prompt opens <think> and leaves it open: yes (the template starts the thinking);
+    - it writes a closed <think></think> (e.g. Qwen3 with enable_thinking=false): no, thinking is off;
+    - it writes no <think>: yes if the template's text knows the tag (Qwen3 with thinking on leaves
+      the block to the model), else no. No chat template: no."""
+    template = getattr(tokenizer, "chat_template", None)
+    if not template:
+        return False
+    question = [{"role": "user", "content": "q"}]
+    kwargs = template_kwargs or {}
+    without = tokenizer.apply_chat_template(question, tokenize=False, **kwargs)
+    with_prompt = tokenizer.apply_chat_template(question, add_generation_prompt=True, tokenize=False, **kwargs)
+    opening = with_prompt.removeprefix(without)
+    if "<think>" in opening:
+        return "</think>" not in opening.split("<think>")[-1]
+    templates = template.values() if isinstance(template, dict) else [template]
+    return any("<think>" in t for t in templates)
 
 
 def group_ids(indices: list[int | None], files: list[str]) -> list[int]:
@@ -163,7 +190,7 @@ def group_ids(indices: list[int | None], files: list[str]) -> list[int]:
 
 
 def load_examples(files, tokenizer, max_prompt_length: int, apply_chat_template: bool = True,
-                  limit: int | None = None, chat=None) -> list[Example]:
+                  limit: int | None = None, chat=None, template_kwargs: dict | None = None) -> list[Example]:
     files = [files] if isinstance(files, (str, Path)) else [str(f) for f in files]
     use_chat_template = apply_chat_template and bool(getattr(tokenizer, "chat_template", None))
     if apply_chat_template and not use_chat_template:
@@ -175,7 +202,7 @@ def load_examples(files, tokenizer, max_prompt_length: int, apply_chat_template:
         for i, row in enumerate(read_rows(path)):
             where = f"{path} row {i}"
             prompt, data_source, ground_truth, index = row_fields(row, where)
-            ids = encode_prompt(prompt, tokenizer, use_chat_template, where, chat)
+            ids = encode_prompt(prompt, tokenizer, use_chat_template, where, chat, template_kwargs)
             if len(ids) > max_prompt_length:
                 dropped += 1
                 continue

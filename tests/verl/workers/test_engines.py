@@ -411,3 +411,24 @@ def test_vllm_profiler_writes_the_engines_trace_where_asked(tiny_model, vllm_eng
             assert not (tmp_path / "engine").exists()   # nothing else left behind
     finally:
         engine.shutdown()
+
+
+def test_qwen3_dense_and_moe_generate_and_take_a_push_of_every_weight(tiny_qwen3_dir):
+    """The Qwen3 shapes (MoE: routed experts) in the HF engine: it generates, and after a push of
+    changed weights, experts included, its logits are those of transformers' model with the pushed weights."""
+    from transformers import AutoModelForCausalLM
+    engine = HFEngine(tiny_qwen3_dir, device="cpu", dtype="float32", seed=0)
+    ids = engine.tokenizer("Where is Tartu?").input_ids
+    (before,) = engine.generate([ids], replace(GREEDY, max_tokens=4), stop=[])
+    assert len(before.token_ids) == 4
+    g = torch.Generator().manual_seed(1)
+    pushed = {k: v + 0.3 * torch.randn(v.shape, generator=g) for k, v in engine.model.state_dict().items()
+              if k != "lm_head.weight"}   # tied to the embedding, so not pushed (as the trainer's push)
+    assert any("experts" in k for k in pushed) == tiny_qwen3_dir.endswith("moe")
+    engine.load_weights(pushed.items())
+    reference = AutoModelForCausalLM.from_pretrained(tiny_qwen3_dir, dtype=torch.float32)
+    reference.load_state_dict(pushed, strict=False)
+    x = torch.tensor([ids])
+    with torch.no_grad():
+        torch.testing.assert_close(engine.model(x).logits, reference(x).logits)
+        assert not torch.allclose(engine.model(x).logits, AutoModelForCausalLM.from_pretrained(tiny_qwen3_dir)(x).logits)

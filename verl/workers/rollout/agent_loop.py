@@ -36,6 +36,8 @@ class AgentLoopSettings:
     schedule: str = "sync"            # sync | async | continuous: how the loop drives the engine
     admit_every_steps: int = 32       # continuous schedule: engine steps between admissions of ready turns
     options: Any = None               # the loop's own options: an instance of its class's Options dataclass
+    # more keyword arguments of the chat template, for loops that render it (data.apply_chat_template_kwargs)
+    chat_template_kwargs: dict = field(default_factory=dict)
 
 
 @dataclass

@@ -201,7 +201,7 @@ class ToolAgentLoop:
         path, rounds = self._options(settings)
         specs = read_tool_config(path)
         self.runner = ToolRunner(build_tools(specs))
-        chat = ChatFormat(engine.tokenizer, tool_schemas(specs))
+        chat = ChatFormat(engine.tokenizer, tool_schemas(specs), settings.chat_template_kwargs)
         cfg = ToolAgentConfig(max_turns=rounds, max_response_tokens=self.max_response_tokens(settings),
                               max_obs_length=settings.max_obs_length, schedule=Schedule(settings.schedule),
                               admit_every_steps=settings.admit_every_steps)
