@@ -30,6 +30,7 @@ def test_the_variants_keys_replace_the_presets_once():
 def test_runs_sharing_a_gpu_get_a_fixed_kv_cache_and_an_engine_that_never_sleeps():
     from hydra import compose, initialize_config_dir
     from verl.trainer.config import load_config
+    from verl.trainer.main_ppo import accept_plus_on_existing_keys   # the original's keys, as main_ppo reads them
     data = {"train": Path("train.parquet"), "test": Path("test.parquet")}
     v = Variant.parse("top1 retriever.topk=1")
     configs = Path(__file__).resolve().parents[2] / "configs"
@@ -37,7 +38,8 @@ def test_runs_sharing_a_gpu_get_a_fixed_kv_cache_and_an_engine_that_never_sleeps
         for shared in (False, True):
             keys = train_keys(v, Path("model"), data, "http://127.0.0.1:1/retrieve", Path("run"), 1.0, 0.12,
                               shared=shared, kv_gib=2)
-            rollout = load_config(compose("ppo_trainer", overrides=keys)).actor_rollout_ref.rollout
+            rollout = load_config(compose("ppo_trainer", overrides=accept_plus_on_existing_keys(keys))
+                                  ).actor_rollout_ref.rollout
             assert rollout.gpu_memory_utilization == 0.12 and "retriever.topk=1" in keys
             assert rollout.enable_sleep is not shared
             assert rollout.engine_kwargs == ({"kv_cache_memory_bytes": 2 << 30} if shared else None)
@@ -59,14 +61,15 @@ def test_a_turn_prefix_reaches_the_agent_in_training_and_the_final_evaluation_al
     from hydra import compose, initialize_config_dir
     from search_r1.cli import build_parser
     from verl.trainer.config import load_config
+    from verl.trainer.main_ppo import accept_plus_on_existing_keys
     v = Variant.parse("rl start=base turn_prefix=<think> reward.format_score=0.2 reward.format_needs_search=true")
     data = {"train": Path("train.parquet"), "test": Path("test.parquet")}
     configs = Path(__file__).resolve().parents[2] / "configs"
     with initialize_config_dir(config_dir=str(configs), version_base=None):
         keys = train_keys(v, Path("model"), data, "http://127.0.0.1:1/retrieve", Path("run"), 1.0, 0.12,
                           shared=False, kv_gib=2)
-        cfg = load_config(compose("ppo_trainer", overrides=keys))
-    assert cfg.actor_rollout_ref.rollout.agent_kwargs == {"turn_prefix": "<think>"}
+        cfg = load_config(compose("ppo_trainer", overrides=accept_plus_on_existing_keys(keys)))
+    assert cfg.actor_rollout_ref.rollout.agent_kwargs["turn_prefix"] == "<think>"
     assert cfg.reward.kwargs() == {"format_score": 0.2, "format_needs_search": True}
     for mode, expected in (("search", "<think>"), ("rag", "")):
         cmd = eval_cmd(Path("m"), Path("t.parquet"), "http://127.0.0.1:1/retrieve", Path("o"), mode, 3, 0.12,
