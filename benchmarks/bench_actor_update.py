@@ -168,7 +168,7 @@ def run(a) -> list[dict]:
     import torch.distributed as dist
 
     from verl.trainer import core_algos
-    from verl.trainer.config import ActorConfig, FSDPConfig, ModelConfig, OptimConfig
+    from verl.config.schema import ActorConfig, FSDPConfig, ModelConfig, OptimConfig
     from verl.workers import packing
     from verl.workers.actor import Actor
     from verl.workers.distributed import init_distributed, world_size

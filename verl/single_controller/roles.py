@@ -13,7 +13,9 @@ import time
 import torch
 
 from verl.batch import RolloutBatch, pack_trajectories
-from verl.trainer.config import Sizes, TrainerConfig, agent_loop_spec
+from verl.config.load import agent_loop_spec
+from verl.config.schema import TrainerConfig
+from verl.config.sizes import Sizes
 from verl.utils.profiling import phase
 from verl.workers.rollout.agent_loop import AgentLoopSettings, build_options, load_agent_loop
 

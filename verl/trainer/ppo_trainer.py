@@ -24,7 +24,8 @@ import torch
 
 from verl.batch import RolloutBatch, balanced_order
 from verl.trainer import core_algos
-from verl.trainer.config import Sizes, TrainerConfig
+from verl.config.schema import TrainerConfig
+from verl.config.sizes import Sizes
 from verl.trainer.health import HealthWatch, Unhealthy, non_finite_metrics
 from verl.utils.dataset import Example, PromptSampler
 

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from verl.batch import RolloutBatch
-from verl.trainer.config import ActorConfig, CriticConfig
+from verl.config.schema import ActorConfig, CriticConfig
 from verl.trainer.core_algos import value_loss
 from verl.workers.distributed import compute_device, mixed_precision_context, shard
 from verl.workers.modeling import build_value_model, pick_attn_implementation

@@ -223,7 +223,7 @@ class TrainedModel:
     def __init__(self, model: nn.Module, optim, fsdp, *, total_steps: int | None, grad_clip: float | None,
                  micro_batch_size: int, ppo_epochs: int, loss_agg: str, state_masking: bool, seed: int,
                  budgets: TokenBudgets | None = None):
-        """`optim`: an OptimConfig, `fsdp`: an FSDPConfig (verl.trainer.config). `budgets`: tokens per
+        """`optim`: an OptimConfig, `fsdp`: an FSDPConfig (verl.config.schema). `budgets`: tokens per
         micro-batch (use_dynamic_bsz); None: `micro_batch_size` trajectories."""
         self.device = compute_device()
         self.model = model

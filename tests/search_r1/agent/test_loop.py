@@ -200,7 +200,7 @@ def test_turn_prefix_opens_the_turn_after_every_observation(tokenizer):
 
 def test_the_trainer_loop_takes_turn_prefix_and_refuses_unknown_options(tokenizer):
     from search_r1.agent.loop import SearchAgentLoop
-    from verl.trainer.config import ConfigError
+    from verl.config.schema import ConfigError
     from verl.workers.rollout.agent_loop import AgentLoopSettings, build_options
     retriever = {"url": "http://127.0.0.1:1/retrieve"}
     options = build_options(SearchAgentLoop, {"max_turns": 2, "retriever": retriever, "turn_prefix": "<think>"},

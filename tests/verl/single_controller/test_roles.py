@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from verl.single_controller.roles import PolicyWorker, agent_schedule, separate_engine_core, vllm_engine_kwargs
-from verl.trainer.config import RolloutConfig, TrainerConfig
+from verl.config.schema import RolloutConfig, TrainerConfig
 
 
 def test_auto_schedule_and_engine_core_follow_the_device():

@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 import verl.trainer.checkpoint as checkpoint
 from test_checkpoint import _worker  # one gloo process of a test group
 from verl.trainer.checkpoint import latest_step, load_checkpoint, save_checkpoint
-from verl.trainer.config import TrainerConfig
+from verl.config.schema import TrainerConfig
 from verl.trainer.ppo_trainer import PPOTrainer
 from verl.utils.dataset import Example, PromptSampler
 from verl.utils.tracking import Tracker

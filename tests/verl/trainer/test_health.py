@@ -14,7 +14,8 @@ import torch
 
 import verl.trainer.checkpoint as checkpoint
 from verl.trainer.checkpoint import load_checkpoint, save_checkpoint
-from verl.trainer.config import ConfigError, HealthConfig, TrainerConfig, load_config
+from verl.config.load import load_config
+from verl.config.schema import ConfigError, HealthConfig, TrainerConfig
 from verl.trainer.health import NO_ACTION, HealthWatch, Unhealthy
 from verl.trainer.ppo_trainer import PPOTrainer
 from verl.utils.dataset import Example, PromptSampler

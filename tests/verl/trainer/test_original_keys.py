@@ -9,7 +9,9 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from verl.trainer.config import ConfigError, check_agent_keys, derive_sizes, load_config
+from verl.config.load import check_agent_keys, load_config
+from verl.config.schema import ConfigError
+from verl.config.sizes import derive_sizes
 from verl.trainer.main_ppo import accept_plus_on_existing_keys
 
 ROOT = Path(__file__).resolve().parents[3]

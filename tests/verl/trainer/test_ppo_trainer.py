@@ -1,7 +1,8 @@
 """PPOTrainer's choice of the separate old-log-prob pass (actor.old_log_probs)."""
 import pytest
 
-from verl.trainer.config import derive_sizes, load_config
+from verl.config.load import load_config
+from verl.config.sizes import derive_sizes
 from verl.trainer.ppo_trainer import PPOTrainer
 from verl.utils.dataset import Example, PromptSampler
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conftest import free_port
-from verl.trainer.config import TrainerConfig
+from verl.config.schema import TrainerConfig
 from verl.workers.rollout.agent_loop import TrajectoryStats
 from verl.trainer.ppo_trainer import PPOTrainer, ToolFailures
 

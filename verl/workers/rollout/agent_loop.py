@@ -99,7 +99,7 @@ def load_agent_loop(spec: str | None) -> type[AgentLoop]:
 def build_options(loop_cls: type, given: dict[str, Any] | None, where: str) -> Any:
     """`given` (the config section `where` of the loop's options) as an instance of `loop_cls.Options`.
     An unknown key, also inside a nested section, or a wrong type raises ConfigError naming it."""
-    from verl.trainer.config import ConfigError
+    from verl.config.schema import ConfigError
     name = f"{loop_cls.__module__}:{loop_cls.__name__}"
     options_cls = getattr(loop_cls, "Options", None)
     if options_cls is None or not dataclasses.is_dataclass(options_cls):
