@@ -31,7 +31,7 @@ def _init_process_group(rank: int, world: int, addr: str, port: int, device: str
                       LOCAL_RANK="0")
     # NVLink multicast must stay off on shared hosts.
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    from verl.workers.distributed import init_distributed
+    from verl.utils.process_group import init_distributed
     init_distributed()
 
 
@@ -379,12 +379,12 @@ class PolicyWorker(ProfiledWorker):
     # -- checkpoints ---------------------------------------------------------------------------
 
     def save(self, root: str, step: int, trainer_state: dict, keep_last: int) -> None:
-        from verl.trainer.checkpoint import save_checkpoint
+        from verl.checkpoint.store import save_checkpoint
         save_checkpoint(root, step, {"actor": (self.actor.model, self.actor.optimizer, self.actor.scheduler)},
                         trainer_state, keep_last)
 
     def load(self, root: str, step: int) -> dict:
-        from verl.trainer.checkpoint import load_checkpoint
+        from verl.checkpoint.store import load_checkpoint
         state = load_checkpoint(root, step, {"actor": (self.actor.model, self.actor.optimizer, self.actor.scheduler)},
                                 self.cfg.trainer.allow_unverified_checkpoint)
         self.sync_weights()
@@ -435,13 +435,13 @@ class CriticWorker(ProfiledWorker):
         return metrics
 
     def save(self, root: str, step: int, trainer_state: dict, keep_last: int) -> None:
-        from verl.trainer.checkpoint import save_checkpoint
+        from verl.checkpoint.store import save_checkpoint
         save_checkpoint(os.path.join(root, "critic"), step,
                         {"critic": (self.critic.model, self.critic.optimizer, self.critic.scheduler)},
                         trainer_state, keep_last)
 
     def load(self, root: str, step: int) -> dict:
-        from verl.trainer.checkpoint import load_checkpoint
+        from verl.checkpoint.store import load_checkpoint
         return load_checkpoint(os.path.join(root, "critic"), step,
                                {"critic": (self.critic.model, self.critic.optimizer, self.critic.scheduler)},
                                self.cfg.trainer.allow_unverified_checkpoint)

@@ -28,7 +28,7 @@ def run(raw: DictConfig) -> None:
     from verl.config.load import agent_loop_spec, check_agent_keys, load_config
     from verl.config.schema import ConfigError
     from verl.config.sizes import derive_sizes
-    from verl.trainer.core_algos import AdvEstimator
+    from verl.core_algos import AdvEstimator
     from verl.trainer.ppo_trainer import PPOTrainer, load_reward_fn
     from verl.utils.dataset import PromptSampler, load_examples
     from verl.workers.rollout.agent_loop import load_agent_loop

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from verl.batch import RolloutBatch, balanced_order
-from verl.trainer import core_algos
+from verl import core_algos
 from verl.config.schema import TrainerConfig
 from verl.config.sizes import Sizes
 from verl.trainer.health import HealthWatch, Unhealthy, non_finite_metrics
@@ -314,7 +314,7 @@ class PPOTrainer:
                                     "reward": batch.info["reward"][i], **batch.info["stats"][i].as_row()}) + "\n")
 
     def save(self):
-        from verl.trainer.checkpoint import export_hf
+        from verl.checkpoint.export import export_hf
         root = os.path.join(self.out_dir, "checkpoints")
         state = {"step": self.step, "sampler": self.sampler.state(), "kl_coef": float(self.kl_ctrl.value),
                  "health": self.health.state(), "lr_scale": self.lr_scale}
@@ -333,7 +333,7 @@ class PPOTrainer:
         manifest (unless trainer.allow_unverified_checkpoint) or cannot be read is skipped with a
         warning naming the file, and the one before it is tried. The logs then drop the rows of the
         steps after it, which are trained again."""
-        from verl.trainer.checkpoint import CheckpointCorrupt
+        from verl.checkpoint.manifest import CheckpointCorrupt
         if self.cfg.trainer.resume_mode != "auto":
             return
         root = os.path.join(self.out_dir, "checkpoints")
@@ -367,7 +367,7 @@ class PPOTrainer:
     def resume_candidates(self, root: str) -> list[int]:
         """Steps under `root` to resume from, newest first; with a critic, only steps it saved too
         (it saves first: a step without the actor's half is incomplete)."""
-        from verl.trainer.checkpoint import complete_steps, resume_steps
+        from verl.checkpoint.store import complete_steps, resume_steps
         steps = resume_steps(root)
         if self.critic is not None:
             critic_steps = set(complete_steps(os.path.join(root, "critic")))
@@ -386,7 +386,8 @@ class PPOTrainer:
     def newest_intact_step(self, root: str) -> tuple[int | None, list[str]]:
         """The newest checkpoint under `root` whose files verify (both halves with a critic), checked
         here on the driver without loading it; and why each newer one failed."""
-        from verl.trainer.checkpoint import CheckpointCorrupt, checkpoint_dir, verify_checkpoint
+        from verl.checkpoint.manifest import CheckpointCorrupt, verify_checkpoint
+        from verl.checkpoint.store import checkpoint_dir
         allow, failed = self.cfg.trainer.allow_unverified_checkpoint, []
         for step in self.resume_candidates(root):
             try:
@@ -473,7 +474,8 @@ class PPOTrainer:
         """Load the checkpoint the health watch picks to go back to; where it fails verification, the
         one it picks among those left, and so on. The step loaded, or None; `failed` gets why each
         checkpoint tried was refused."""
-        from verl.trainer.checkpoint import CheckpointCorrupt, complete_steps
+        from verl.checkpoint.manifest import CheckpointCorrupt
+        from verl.checkpoint.store import complete_steps
         kept = complete_steps(root)
         while (target := self.health.rollback_target(kept, signs)) is not None:
             try:

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from verl.batch import RolloutBatch
 from verl.config.schema import ActorConfig, ModelConfig
-from verl.trainer.core_algos import agg_loss, kl_penalty, policy_loss, truncated_importance_weights
+from verl.core_algos import agg_loss, kl_penalty, policy_loss, truncated_importance_weights
 from verl.workers.distributed import compute_device, mixed_precision_context, shard
 from verl.workers.modeling import build_causal_lm, compile_layers, pick_attn_implementation
 from verl.workers.packing import forward_packed, tokens_per_pack

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from verl.batch import RolloutBatch
 from verl.config.schema import ActorConfig, CriticConfig
-from verl.trainer.core_algos import value_loss
+from verl.core_algos import value_loss
 from verl.workers.distributed import compute_device, mixed_precision_context, shard
 from verl.workers.modeling import build_value_model, pick_attn_implementation
 from verl.workers.packing import tokens_per_pack, values_packed

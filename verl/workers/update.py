@@ -15,9 +15,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from verl.batch import RolloutBatch, token_budget_parts
-from verl.trainer.core_algos import LossAgg
-from verl.workers.distributed import (accumulation_steps, all_reduce_scalar, comm_device, compute_device,
-                                      world_size)
+from verl.core_algos import LossAgg
+from verl.utils.process_group import all_reduce_scalar, comm_device, world_size
+from verl.workers.distributed import accumulation_steps, compute_device
 
 logger = logging.getLogger(__name__)
 

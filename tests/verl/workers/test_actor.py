@@ -399,7 +399,7 @@ def _fsdp_rank(rank, world, port, model_dir, batch_path, out_dir, unsharded):
     torch.set_num_threads(1)
     import torch.distributed as dist
 
-    from verl.workers.distributed import init_distributed
+    from verl.utils.process_group import init_distributed
     init_distributed(timeout_minutes=2)  # a collective mismatch fails the test instead of hanging it
     try:
         part = torch.load(batch_path, weights_only=False).split(world)[rank]

@@ -136,7 +136,7 @@ def _rank(rank, world, port, model_dir, batch_path, out_dir):
                       MASTER_PORT=str(port))
     import torch.distributed as dist
 
-    from verl.workers.distributed import init_distributed
+    from verl.utils.process_group import init_distributed
     init_distributed(timeout_minutes=3)
     try:
         part = torch.load(batch_path, weights_only=False).split(world)[rank]
