@@ -169,9 +169,9 @@ def run(a) -> list[dict]:
 
     from verl import core_algos
     from verl.config.schema import ActorConfig, FSDPConfig, ModelConfig, OptimConfig
+    from verl.utils.process_group import init_distributed, world_size
     from verl.workers import packing
     from verl.workers.actor import Actor
-    from verl.utils.process_group import init_distributed, world_size
 
     distributed = "RANK" in os.environ
     rank = init_distributed()[0] if distributed else 0

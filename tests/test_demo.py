@@ -111,9 +111,9 @@ def test_tool_protocol_overrides_pass_the_trainers_checks(tmp_path):
 
     from search_r1.agent.loop import response_budget
     from search_r1.demo import MAX_OBS, MAX_TURNS, PRESETS, grpo_overrides, parse_args, write_tool_config
-    from verl.tools.base import build_tools, read_tool_config
     from verl.config.load import agent_loop_spec, check_agent_keys, load_config
     from verl.config.schema import TOOL_LOOP
+    from verl.tools.base import build_tools, read_tool_config
 
     assert parse_args(["--protocol", "tools"])[0].protocol == "tools"
     yaml = write_tool_config(tmp_path / "tools.yaml", "http://127.0.0.1:1234/retrieve")

@@ -23,16 +23,18 @@ def run(raw: DictConfig) -> None:
     import torch
     from transformers import AutoTokenizer
 
-    from verl.single_controller.ray_group import LocalWorkerGroup, WorkerGroup, start_ray
-    from verl.single_controller.roles import CriticWorker, PolicyWorker, agent_loop_settings
     from verl.config.load import agent_loop_spec, check_agent_keys, load_config
     from verl.config.schema import ConfigError
     from verl.config.sizes import derive_sizes
     from verl.core_algos import AdvEstimator
+    from verl.single_controller.ray_group import LocalWorkerGroup, WorkerGroup, start_ray
     from verl.trainer.ppo_trainer import PPOTrainer, load_reward_fn
     from verl.utils.dataset import PromptSampler, load_examples
-    from verl.workers.rollout.agent_loop import load_agent_loop
     from verl.utils.tracking import Tracker, check_backends
+    from verl.workers.critic_worker import CriticWorker
+    from verl.workers.policy_worker import PolicyWorker
+    from verl.workers.rollout.loop_from_config import agent_loop_settings
+    from verl.workers.rollout.loop_from_config import load_agent_loop
 
     cfg = load_config(raw)
     try:  # a tracker whose package is missing stops the run now, not after the workers have loaded
@@ -132,9 +134,9 @@ def tool_chat_format(cfg, tokenizer):
     multi_turn = cfg.actor_rollout_ref.rollout.multi_turn
     if not multi_turn.enable:
         return None
+    from verl.config.schema import ConfigError
     from verl.tools.base import read_tool_config, tool_schemas
     from verl.tools.chat import ChatFormat
-    from verl.config.schema import ConfigError
     if not cfg.data.apply_chat_template:
         raise ConfigError("actor_rollout_ref.rollout.multi_turn.enable=true renders the tools with the chat template: "
                           "data.apply_chat_template=false cannot go with it")

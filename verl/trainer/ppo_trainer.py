@@ -22,8 +22,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from verl.batch import RolloutBatch, balanced_order
 from verl import core_algos
+from verl.batch import RolloutBatch, balanced_order
 from verl.config.schema import TrainerConfig
 from verl.config.sizes import Sizes
 from verl.trainer.health import HealthWatch, Unhealthy, non_finite_metrics

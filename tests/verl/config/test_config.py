@@ -82,10 +82,10 @@ def test_multi_turn_keys_select_the_tool_loop_and_refuse_what_it_does_not_read()
     agent's options (the original's retriever keys among them) are refused with it: the tool YAML
     holds the tool's settings; tool keys without enable are refused too."""
     from hydra import compose, initialize_config_dir
-    from verl.single_controller.roles import agent_loop_settings
     from verl.config.load import agent_loop_spec, check_agent_keys
     from verl.config.schema import TOOL_LOOP
     from verl.trainer.main_ppo import accept_plus_on_existing_keys
+    from verl.workers.rollout.loop_from_config import agent_loop_settings
     base = ["data.train_files=t.parquet", "actor_rollout_ref.model.path=m"]
     on = ["actor_rollout_ref.rollout.multi_turn.enable=true",
           "actor_rollout_ref.rollout.multi_turn.tool_config_path=configs/tools/search.yaml"]

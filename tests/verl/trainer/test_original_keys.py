@@ -129,7 +129,7 @@ def test_reward_terms_out_of_range_stop_at_start_up(override, message):
 def test_the_original_command_line_alone_selects_the_search_agent_and_the_em_reward():
     """The original never named an agent loop or a reward: its max_turns and retriever.* keys run the
     search agent with the data-source EM reward here too (search_r1.compat)."""
-    from verl.single_controller.roles import agent_loop_settings
+    from verl.workers.rollout.loop_from_config import agent_loop_settings
     cfg = load(ORIGINAL_GRPO)
     assert cfg.actor_rollout_ref.rollout.agent_loop == "search_r1.agent.loop:SearchAgentLoop"
     assert cfg.reward.function == "search_r1.rewards:score_for"

@@ -13,8 +13,8 @@ import torch
 
 from conftest import free_port
 from verl.config.schema import TrainerConfig
-from verl.workers.rollout.agent_loop import TrajectoryStats
 from verl.trainer.ppo_trainer import PPOTrainer, ToolFailures
+from verl.workers.rollout.agent_loop import TrajectoryStats
 
 ROOT = Path(__file__).resolve().parents[3]
 

@@ -23,9 +23,9 @@ import torch
 import torch.multiprocessing as mp
 
 from verl.batch import RolloutBatch, pack_trajectories
+from verl.config.schema import ActorConfig, CriticConfig, CriticModelConfig, FSDPConfig, ModelConfig, OptimConfig
 from verl.workers.actor import Actor, Reference
 from verl.workers.critic import Critic
-from verl.config.schema import ActorConfig, CriticConfig, CriticModelConfig, FSDPConfig, ModelConfig, OptimConfig
 from verl.workers.distributed import full_state_dict_iter
 from verl.workers.update import micro_batches
 from verl.workers.modeling import (VARLEN_ATTN, _enable_gradient_checkpointing, build_causal_lm, build_value_model,

@@ -14,9 +14,9 @@ import torch
 import torch.multiprocessing as mp
 
 from verl.batch import pack_trajectories
+from verl.config.schema import ActorConfig, CriticConfig, CriticModelConfig, FSDPConfig, ModelConfig, OptimConfig
 from verl.workers.actor import Actor, Reference
 from verl.workers.critic import Critic
-from verl.config.schema import ActorConfig, CriticConfig, CriticModelConfig, FSDPConfig, ModelConfig, OptimConfig
 from verl.workers.distributed import full_state_dict_iter
 from verl.workers.memory import MAX_TOKENS
 from verl.workers.modeling import VARLEN_ATTN, build_causal_lm, decoder_layers, pick_attn_implementation
