@@ -28,13 +28,13 @@ def run(raw: DictConfig) -> None:
     from verl.config.sizes import derive_sizes
     from verl.core_algos import AdvEstimator
     from verl.single_controller.ray_group import LocalWorkerGroup, WorkerGroup, start_ray
-    from verl.trainer.ppo_trainer import PPOTrainer, load_reward_fn
+    from verl.trainer.metrics import load_reward_fn
+    from verl.trainer.ppo_trainer import PPOTrainer
     from verl.utils.dataset import PromptSampler, load_examples
     from verl.utils.tracking import Tracker, check_backends
     from verl.workers.critic_worker import CriticWorker
     from verl.workers.policy_worker import PolicyWorker
-    from verl.workers.rollout.loop_from_config import agent_loop_settings
-    from verl.workers.rollout.loop_from_config import load_agent_loop
+    from verl.workers.rollout.loop_from_config import agent_loop_settings, load_agent_loop
 
     cfg = load_config(raw)
     try:  # a tracker whose package is missing stops the run now, not after the workers have loaded

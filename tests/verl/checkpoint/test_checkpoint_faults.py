@@ -306,7 +306,7 @@ def test_resume_falls_back_from_a_corrupted_checkpoint(tmp_path, caplog):
     shard = _flip_exponent_bit(root / "global_step_2")
     policy = _Group("actor", _build(seed=1))
     trainer = _trainer(tmp_path, policy)
-    with caplog.at_level(logging.WARNING, logger="verl.trainer.ppo_trainer"):
+    with caplog.at_level(logging.WARNING, logger="verl.trainer.resume"):
         trainer.resume()
     assert trainer.step == 1 and trainer.sampler.state() == {"epoch": 0, "position": 1}
     assert float(policy.parts[0].weight[0, 0].detach()) == pytest.approx(MARK)
@@ -318,7 +318,7 @@ def test_resume_falls_back_when_only_the_critic_is_corrupted(tmp_path, caplog):
     _two_saves(tmp_path, critic=True)
     shard = _flip_exponent_bit(tmp_path / "checkpoints" / "critic" / "global_step_2", "critic")
     trainer = _trainer(tmp_path, _Group("actor", _build(seed=1)), _Group("critic", _build(seed=3), subdir="critic"))
-    with caplog.at_level(logging.WARNING, logger="verl.trainer.ppo_trainer"):
+    with caplog.at_level(logging.WARNING, logger="verl.trainer.resume"):
         trainer.resume()
     assert trainer.step == 1
     assert str(shard) in caplog.text
@@ -390,7 +390,7 @@ def test_resume_falls_back_from_a_partial_checkpoint(tmp_path, caplog, damage):
     policy = _Group("actor", _build(seed=1), allow_unverified=allow)
     trainer = _trainer(tmp_path, policy)
     trainer.cfg.trainer.allow_unverified_checkpoint = allow
-    with caplog.at_level(logging.WARNING, logger="verl.trainer.ppo_trainer"), warnings.catch_warnings():
+    with caplog.at_level(logging.WARNING, logger="verl.trainer.resume"), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*without verification")
         trainer.resume()
     assert trainer.step == 1 and trainer.sampler.state() == {"epoch": 0, "position": 1}

@@ -276,7 +276,7 @@ def test_a_rollback_skips_a_checkpoint_that_fails_verification(tmp_path, caplog)
         return {"reward/mean": 0.5, "pg_loss": 0.1, "grad_norm": 1.0} | next(rows)
 
     trainer.train_step = step
-    with caplog.at_level(logging.WARNING, logger="verl.trainer.ppo_trainer"):
+    with caplog.at_level(logging.WARNING, logger="verl.trainer"):
         trainer.fit()
     assert trainer.policy.loaded == [5, 4] and trainer.health.rollbacks == 1
     assert "global_step_5/manifest.json is missing" in caplog.text

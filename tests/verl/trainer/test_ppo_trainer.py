@@ -79,8 +79,8 @@ def test_a_response_begun_in_the_prompt_is_scored_whole():
 
 
 def test_worker_metrics_are_averaged_but_peak_memory_is_the_fullest_workers():
-    from verl.trainer.ppo_trainer import _merge_worker_metrics
-    merged = _merge_worker_metrics([{"pg_loss": 1.0, "memory/update_peak_reserved_gib": 60.0},
+    from verl.trainer.metrics import merge_worker_metrics
+    merged = merge_worker_metrics([{"pg_loss": 1.0, "memory/update_peak_reserved_gib": 60.0},
                                     {"pg_loss": 3.0, "memory/update_peak_reserved_gib": 70.0}], prefix="x/")
     assert merged == {"x/pg_loss": 2.0, "x/memory/update_peak_reserved_gib": 70.0}
 
