@@ -1,3 +1,3 @@
-# `python -m verl.trainer.checkpoint export …` in existing scripts keeps working: the command is `python -m verl.checkpoint`.
-from verl.checkpoint.export import main
+# Kept so that scripts running `python -m verl.trainer.checkpoint export` still work.
+from verl.checkpoint.export import main  # the command is now `python -m verl.checkpoint`
 if __name__ == "__main__": main()
