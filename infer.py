@@ -78,7 +78,7 @@ def checkpoint_problem(model: str | None) -> str | None:
         return None
     return (f"--model {model} is a training checkpoint ({ckpt}), not a model directory: use {run / 'hf_actor'} "
             f"(the trainer exports the actor there with each checkpoint) or export it first, which checks its "
-            f"files against its manifest: python -m verl.trainer.checkpoint export --checkpoint {ckpt} "
+            f"files against its manifest: python -m verl.checkpoint export --checkpoint {ckpt} "
             f"--config-source BASE_MODEL_DIR --out DIR")
 
 

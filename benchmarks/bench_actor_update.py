@@ -167,11 +167,11 @@ def time_updates(actor, batch, mini_batch_size: int, warmup: int, steps: int, gp
 def run(a) -> list[dict]:
     import torch.distributed as dist
 
-    from verl.trainer import core_algos
-    from verl.trainer.config import ActorConfig, FSDPConfig, ModelConfig, OptimConfig
+    from verl import core_algos
+    from verl.config.schema import ActorConfig, FSDPConfig, ModelConfig, OptimConfig
+    from verl.utils.process_group import init_distributed, world_size
     from verl.workers import packing
     from verl.workers.actor import Actor
-    from verl.workers.distributed import init_distributed, world_size
 
     distributed = "RANK" in os.environ
     rank = init_distributed()[0] if distributed else 0

@@ -251,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     except RuntimeError as e:
         # A training checkpoint that fails verification (`eval` exports one first): the message names
         # the file. Imported here only: the module brings torch, which most commands do without.
-        from verl.trainer.checkpoint import CheckpointCorrupt
+        from verl.checkpoint.manifest import CheckpointCorrupt
         if not isinstance(e, CheckpointCorrupt):
             raise
         print(f"search-r1 {args.cmd}: error: {e}", file=sys.stderr)

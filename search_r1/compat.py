@@ -10,11 +10,11 @@ command line names none (and the log says so).
 
 The trainer finds the table through the `verl.compat` entry point group (pyproject.toml), or through
 VERL_COMPAT=search_r1.compat:ORIGINAL_SEARCH_R1 in a checkout used without installing it
-(verl.trainer.compat).
+(verl.config.compat).
 """
 from __future__ import annotations
 
-from verl.trainer.compat import CompatTable, IgnoredKey, MovedKey, OneValueKey
+from verl.config.compat import CompatTable, IgnoredKey, MovedKey, OneValueKey
 
 SEARCH_LOOP = "search_r1.agent.loop:SearchAgentLoop"
 OPTIONS = "actor_rollout_ref.rollout.agent_kwargs"

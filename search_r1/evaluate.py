@@ -228,7 +228,7 @@ _STEP_DIR = re.compile(r"^global_step_\d+$")
 def find_checkpoint(path: Path) -> tuple[Path | None, Path | None]:
     """(checkpoint directory, run directory) if `path` is a run, its `checkpoints/` or one
     `global_step_N`; else (None, None)."""
-    from verl.trainer.checkpoint import checkpoint_dir, latest_step
+    from verl.checkpoint.store import checkpoint_dir, latest_step
 
     if not path.is_dir():
         return None, None
@@ -264,7 +264,7 @@ def resolve_model(model: str, base_model: str | None, out: str | os.PathLike,
     stamp = exported / "exported_from.txt"  # later modes of the same evaluation reuse the export
     if stamp.is_file() and stamp.read_text() == str(ckpt.resolve()):
         return str(exported), label
-    from verl.trainer.checkpoint import export_hf
+    from verl.checkpoint.export import export_hf
     log.info("exporting %s to %s", ckpt, exported)
     export_hf(ckpt, "actor", exported, source, overwrite=True, allow_unverified=allow_unverified)
     stamp.write_text(str(ckpt.resolve()))
@@ -618,7 +618,7 @@ if __name__ == "__main__":  # `python -m search_r1.evaluate eval …`, as script
     from search_r1.cli import normalize_flags, show_defaults
     show_defaults(parser)
     parsed = parser.parse_args(normalize_flags(sys.argv[1:]))
-    from verl.trainer.checkpoint import CheckpointCorrupt
+    from verl.checkpoint.manifest import CheckpointCorrupt
     try:
         parsed.func(parsed)
     except (FileNotFoundError, ValueError, CheckpointCorrupt) as error:  # the message says what to do

@@ -48,7 +48,8 @@ def test_presets_parse_and_small_is_an_alias():
 
     from search_r1.data.bundled import bundled_paths, read_jsonl
     from search_r1.demo import PRESETS, TEST_QUESTIONS, grpo_overrides, parse_args
-    from verl.trainer.config import derive_sizes, load_config
+    from verl.config.load import load_config
+    from verl.config.sizes import derive_sizes
 
     assert TEST_QUESTIONS == len(read_jsonl(bundled_paths()["test"]))  # "all test questions" stays true
     assert parse_args(["--small"])[1] == parse_args(["--preset", "small"])[1] == PRESETS["small"]
@@ -110,8 +111,9 @@ def test_tool_protocol_overrides_pass_the_trainers_checks(tmp_path):
 
     from search_r1.agent.loop import response_budget
     from search_r1.demo import MAX_OBS, MAX_TURNS, PRESETS, grpo_overrides, parse_args, write_tool_config
+    from verl.config.load import agent_loop_spec, check_agent_keys, load_config
+    from verl.config.schema import TOOL_LOOP
     from verl.tools.base import build_tools, read_tool_config
-    from verl.trainer.config import TOOL_LOOP, agent_loop_spec, check_agent_keys, load_config
 
     assert parse_args(["--protocol", "tools"])[0].protocol == "tools"
     yaml = write_tool_config(tmp_path / "tools.yaml", "http://127.0.0.1:1234/retrieve")

@@ -71,7 +71,7 @@ def test_a_training_checkpoint_is_refused_with_what_to_use_instead(tmp_path, cap
     """infer.py reads model directories; a run or checkpoint goes through the export, which checks it."""
     import torch
 
-    from verl.trainer.checkpoint import save_checkpoint
+    from verl.checkpoint.store import save_checkpoint
     save_checkpoint(tmp_path / "run" / "checkpoints", 2, {"actor": (torch.nn.Linear(2, 2), None, None)}, {})
     for given in (tmp_path / "run", tmp_path / "run" / "checkpoints" / "global_step_2"):
         with pytest.raises(SystemExit) as exited:
@@ -79,7 +79,7 @@ def test_a_training_checkpoint_is_refused_with_what_to_use_instead(tmp_path, cap
         assert exited.value.code == 2
         err = capsys.readouterr().err
         assert "is a training checkpoint" in err and str(tmp_path / "run" / "hf_actor") in err
-        assert "python -m verl.trainer.checkpoint export --checkpoint" in err
+        assert "python -m verl.checkpoint export --checkpoint" in err
     assert infer.checkpoint_problem(str(tmp_path)) is None  # no checkpoint there: a model directory as before
 
 

@@ -29,7 +29,7 @@ def test_the_variants_keys_replace_the_presets_once():
 
 def test_runs_sharing_a_gpu_get_a_fixed_kv_cache_and_an_engine_that_never_sleeps():
     from hydra import compose, initialize_config_dir
-    from verl.trainer.config import load_config
+    from verl.config.load import load_config
     from verl.trainer.main_ppo import accept_plus_on_existing_keys   # the original's keys, as main_ppo reads them
     data = {"train": Path("train.parquet"), "test": Path("test.parquet")}
     v = Variant.parse("top1 retriever.topk=1")
@@ -60,7 +60,7 @@ def test_an_evaluation_on_a_shared_gpu_asks_for_the_same_fixed_kv_cache():
 def test_a_turn_prefix_reaches_the_agent_in_training_and_the_final_evaluation_alike():
     from hydra import compose, initialize_config_dir
     from search_r1.cli import build_parser
-    from verl.trainer.config import load_config
+    from verl.config.load import load_config
     from verl.trainer.main_ppo import accept_plus_on_existing_keys
     v = Variant.parse("rl start=base turn_prefix=<think> reward.format_score=0.2 reward.format_needs_search=true")
     data = {"train": Path("train.parquet"), "test": Path("test.parquet")}

@@ -13,9 +13,10 @@ from omegaconf import OmegaConf
 
 from search_r1.agent.loop import SearchAgentLoop, SearchLoopOptions
 from search_r1.compat import ORIGINAL_SEARCH_R1
-from verl.single_controller.roles import agent_loop_settings
-from verl.trainer.compat import ENTRY_POINT_GROUP, load_table
-from verl.trainer.config import ConfigError, load_config
+from verl.config.compat import ENTRY_POINT_GROUP, load_table
+from verl.config.load import load_config
+from verl.config.schema import ConfigError
+from verl.workers.rollout.loop_from_config import agent_loop_settings
 
 ROOT = Path(__file__).resolve().parents[2]
 REQUIRED = ["data.train_files=t.parquet", "actor_rollout_ref.model.path=m"]

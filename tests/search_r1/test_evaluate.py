@@ -243,7 +243,7 @@ def test_eval_retrieval_recall_cli(test_parquet, bm25_server, tmp_path, capsys):
 def test_eval_from_training_checkpoint(tiny_model_dir, test_parquet, tmp_path):
     """A run directory is exported once (config source from its config.yaml), then evaluated."""
     from transformers import AutoModelForCausalLM
-    from verl.trainer.checkpoint import save_checkpoint
+    from verl.checkpoint.store import save_checkpoint
     run = tmp_path / "run"
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     save_checkpoint(run / "checkpoints", 3, {"actor": (model, None, None)}, {"step": 3})
@@ -275,7 +275,8 @@ def test_eval_refuses_a_checkpoint_that_fails_verification(tiny_model_dir, test_
     from transformers import AutoModelForCausalLM
 
     from search_r1.cli import main
-    from verl.trainer.checkpoint import CheckpointCorrupt, save_checkpoint
+    from verl.checkpoint.manifest import CheckpointCorrupt
+    from verl.checkpoint.store import save_checkpoint
     run = tmp_path / "run"
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     save_checkpoint(run / "checkpoints", 3, {"actor": (model, None, None)}, {"step": 3})

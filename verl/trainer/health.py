@@ -13,7 +13,7 @@ import statistics
 from collections import deque
 from dataclasses import dataclass, field
 
-from verl.trainer.config import HealthConfig
+from verl.config.schema import HealthConfig
 
 # The share of trajectories that took no action: the mean of the agent loop's own per-trajectory
 # metric `no_action` (e.g. neither called a tool nor answered), logged as agent/<name> by the trainer.

@@ -23,14 +23,18 @@ def run(raw: DictConfig) -> None:
     import torch
     from transformers import AutoTokenizer
 
+    from verl.config.load import agent_loop_spec, check_agent_keys, load_config
+    from verl.config.schema import ConfigError
+    from verl.config.sizes import derive_sizes
+    from verl.core_algos import AdvEstimator
     from verl.single_controller.ray_group import LocalWorkerGroup, WorkerGroup, start_ray
-    from verl.single_controller.roles import CriticWorker, PolicyWorker, agent_loop_settings
-    from verl.trainer.config import ConfigError, agent_loop_spec, check_agent_keys, derive_sizes, load_config
-    from verl.trainer.core_algos import AdvEstimator
-    from verl.trainer.ppo_trainer import PPOTrainer, load_reward_fn
+    from verl.trainer.metrics import load_reward_fn
+    from verl.trainer.ppo_trainer import PPOTrainer
     from verl.utils.dataset import PromptSampler, load_examples
-    from verl.workers.rollout.agent_loop import load_agent_loop
     from verl.utils.tracking import Tracker, check_backends
+    from verl.workers.critic_worker import CriticWorker
+    from verl.workers.policy_worker import PolicyWorker
+    from verl.workers.rollout.loop_from_config import agent_loop_settings, load_agent_loop
 
     cfg = load_config(raw)
     try:  # a tracker whose package is missing stops the run now, not after the workers have loaded
@@ -117,7 +121,7 @@ def check_prompts(agent_cls, settings, examples, tokenizer, first: int = 8) -> N
     check = getattr(agent_cls, "check_prompts", None)
     if check is None:
         return
-    from verl.trainer.config import ConfigError
+    from verl.config.schema import ConfigError
     texts = tokenizer.batch_decode([e.prompt_ids for e in examples[:first]])
     try:
         check(settings, texts)
@@ -130,9 +134,9 @@ def tool_chat_format(cfg, tokenizer):
     multi_turn = cfg.actor_rollout_ref.rollout.multi_turn
     if not multi_turn.enable:
         return None
+    from verl.config.schema import ConfigError
     from verl.tools.base import read_tool_config, tool_schemas
     from verl.tools.chat import ChatFormat
-    from verl.trainer.config import ConfigError
     if not cfg.data.apply_chat_template:
         raise ConfigError("actor_rollout_ref.rollout.multi_turn.enable=true renders the tools with the chat template: "
                           "data.apply_chat_template=false cannot go with it")
@@ -163,9 +167,9 @@ def _overridden_keys() -> set[str]:
 def accept_plus_on_existing_keys(argv: list[str]) -> list[str]:
     """The original scripts add keys with `+trainer.val_before_train=true`; Hydra refuses `+` for a key
     the config already has. Such an override means "set it", so it is passed on as `++` (add or set).
-    A key of a compatibility table (verl.trainer.compat: e.g. the original's `max_turns`), which the
+    A key of a compatibility table (verl.config.compat: e.g. the original's `max_turns`), which the
     config does not hold, is passed on as `++` too, for the table to read it into the schema."""
-    from verl.trainer.compat import compat_tables, hydra_overrides
+    from verl.config.compat import compat_tables, hydra_overrides
     known = _dotted_keys(OmegaConf.to_container(OmegaConf.load(os.path.join(CONFIG_DIR, "ppo_trainer.yaml"))))
     argv = ["+" + arg if arg.startswith("+") and not arg.startswith("++") and "=" in arg
             and arg[1:].split("=", 1)[0] in known else arg for arg in argv]
@@ -185,7 +189,7 @@ def _dotted_keys(node: dict, prefix: str = "") -> set[str]:
 @hydra.main(config_path=CONFIG_DIR, config_name="ppo_trainer", version_base=None)
 def main(raw: DictConfig) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from verl.trainer.config import ConfigError
+    from verl.config.schema import ConfigError
     from verl.workers.rollout.agent_loop import PreflightError
     try:
         run(raw)

@@ -11,46 +11,26 @@ prompts than data.train_batch_size, and a run of total_training_steps goes furth
 """
 from __future__ import annotations
 
-import importlib
-import inspect
 import itertools
 import json
 import logging
 import os
 import time
-from collections import defaultdict
-from contextlib import contextmanager
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from verl import core_algos
 from verl.batch import RolloutBatch, balanced_order
-from verl.trainer import core_algos
-from verl.trainer.config import Sizes, TrainerConfig
+from verl.config.schema import TrainerConfig
+from verl.config.sizes import Sizes
 from verl.trainer.health import HealthWatch, Unhealthy, non_finite_metrics
+from verl.trainer.metrics import (PEAK_FLOPS, Timer, load_reward_fn, merge_worker_metrics, score_trajectories,
+                                  takes_extra_info, throughput_metrics, write_samples)
+from verl.trainer.resume import Checkpoints, trim_data_order
 from verl.utils.dataset import Example, PromptSampler
 
 log = logging.getLogger(__name__)
-
-# bf16 dense tensor-core peaks (data sheets), for the MFU estimate.
-PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
-
-
-def load_reward_fn(spec: str | None):
-    """'module:function' → callable(data_source, response_text, ground_truth[, extra_info=row's extra_info]),
-    returning a float or an object with .score (optional: .em, and .metrics, a dict of floats logged
-    by name as means over the trajectories that report them)."""
-    if not spec:
-        raise ValueError("reward.function is not set: give it as 'module:function', e.g. "
-                         "search_r1.rewards:score_for")
-    module, _, name = spec.partition(":")
-    return getattr(importlib.import_module(module), name)
-
-
-def takes_extra_info(fn) -> bool:
-    """Whether the reward function takes the row's `extra_info` (verl's keyword), by name."""
-    return "extra_info" in inspect.signature(fn).parameters
 
 
 class FilterGroupsExhausted(RuntimeError):
@@ -59,17 +39,6 @@ class FilterGroupsExhausted(RuntimeError):
 
 class ToolFailures(RuntimeError):
     """Too many of a step's tool calls (searches) failed to train on the step."""
-
-
-class Timer:
-    def __init__(self):
-        self.seconds = {}
-
-    @contextmanager
-    def __call__(self, name):
-        t = time.perf_counter()
-        yield
-        self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t
 
 
 class PPOTrainer:
@@ -99,6 +68,7 @@ class PPOTrainer:
         self.old_from_update = (sizes is not None and actor.old_log_probs == "auto" and actor.ppo_epochs == 1
                                 and not cfg.algorithm.use_kl_in_reward)
         self.lr_scale = 1.0   # trainer.health.lr_factor per rollback
+        self.checkpoints = Checkpoints(cfg, policy, critic, self.out_dir)
 
     # -- the step ------------------------------------------------------------------------------
 
@@ -135,12 +105,12 @@ class PPOTrainer:
             metrics |= self.compute_advantages(batch)
         if self.critic is not None:
             with t("update_critic"):
-                metrics |= _merge_worker_metrics(
+                metrics |= merge_worker_metrics(
                     self.on_parts(self.critic, batch, lambda w, part: w.update_critic.remote(part), "critic update"),
                     prefix="critic/")
         if actor_learns:
             with t("update_actor"):
-                metrics |= _merge_worker_metrics(
+                metrics |= merge_worker_metrics(
                     self.on_parts(self.policy, batch, lambda w, part: w.update_actor.remote(part), "actor update"))
         if actor_learns:
             with t("weight_sync"):
@@ -264,46 +234,8 @@ class PPOTrainer:
         return batch
 
     def score(self, batch: RolloutBatch) -> tuple[torch.Tensor, dict]:
-        rewards, em, by_source, own = [], [], defaultdict(list), defaultdict(list)
-        extra = batch.info.get("extra_info") or [None] * len(batch)
-        for text, source, gt, info in zip(batch.info["response_text"], batch.info["data_source"],
-                                          batch.info["ground_truth"], extra):
-            kwargs = self.reward_kwargs | ({"extra_info": info} if self.reward_takes_extra_info else {})
-            result = self.reward_fn(source, text, gt, **kwargs)
-            score = float(getattr(result, "score", result))
-            rewards.append(score)
-            em.append(float(getattr(result, "em", score)))
-            by_source[source].append(em[-1])
-            for name, value in (getattr(result, "metrics", None) or {}).items():  # the reward's own, by name
-                own[name].append(float(value))
-        stats = batch.info["stats"]  # TrajectoryStats, one per trajectory
-        batch.info["score"], batch.info["em"] = rewards, em   # for algorithm.filter_groups.metric
-        rewards, overlong = self.overlong_shaping(rewards, stats)
-        metrics = overlong | {"reward/mean": float(np.mean(rewards)), "reward/em": float(np.mean(em)),
-                   "response/length": float(np.mean([s.response_tokens for s in stats])),
-                   "response/model_tokens": float(np.mean([s.model_tokens for s in stats])),
-                   # tool outputs (retrieved passages) in the response
-                   "response/observation_tokens": float(np.mean([s.response_tokens - s.model_tokens for s in stats]))}
-        for name in {name for s in stats for name in s.metrics}:  # the agent loop's own
-            metrics[f"agent/{name}"] = float(np.mean([s.metrics[name] for s in stats if name in s.metrics]))
-        for reason in {s.finish for s in stats}:
-            metrics[f"agent/finish_{reason}"] = float(np.mean([s.finish == reason for s in stats]))
-        # When trajectories ended (each on its worker's clock): the step waits for the last one, so
-        # max − p90 is what the slowest tenth costs the rollout.
-        if done := [s.done_s for s in stats if s.done_s is not None]:
-            for name, q in (("p50", 50), ("p90", 90), ("max", 100)):
-                metrics[f"rollout/done_s_{name}"] = float(np.percentile(done, q))
-        # Groups whose rewards are all equal give GRPO no signal (their advantages are 0).
-        groups = defaultdict(set)
-        for gid, r in zip(batch.group_ids_B.tolist(), rewards):
-            groups[gid].add(r)
-        metrics["reward/flat_groups"] = float(np.mean([len(v) == 1 for v in groups.values()]))
-        for source, values in by_source.items():
-            metrics[f"reward/em/{source}"] = float(np.mean(values))
-        # Means over the trajectories whose reward reported them (e.g. the search reward's by hop count).
-        metrics |= {name: float(np.mean(values)) for name, values in own.items()}
-        batch.info["reward"] = rewards
-        return torch.tensor(rewards, dtype=torch.float32), metrics
+        return score_trajectories(batch, self.reward_fn, self.reward_kwargs, self.reward_takes_extra_info,
+                                  shaping=self.overlong_shaping)
 
     def overlong_shaping(self, scores: list[float], stats: list) -> tuple[list[float], dict]:
         """reward.overlong_buffer (DAPO): the scores less the penalty of responses near
@@ -369,18 +301,8 @@ class PPOTrainer:
         return group.get([call(w, part) for w, part in zip(group.workers, parts)], what, self.step)
 
     def throughput(self, batch: RolloutBatch, seconds: dict, generated: int | None = None) -> dict:
-        tokens = int(batch.attention_mask_BT.sum())
-        if generated is None:
-            generated = sum(s.model_tokens for s in batch.info["stats"])
-        out = {"throughput/generated_tokens_per_s": generated / max(seconds["rollout"], 1e-9)}
-        if "update_actor" not in seconds:  # a critic warm-up step
-            return out
-        out["throughput/train_tokens_per_s"] = tokens / max(seconds["update_actor"], 1e-9)
-        if self.peak_flops and self.n_params:
-            # forward+backward ≈ 6 FLOPs per parameter per token (attention left out)
-            out["throughput/mfu_actor_update"] = 6 * self.n_params * tokens * self.cfg.actor_rollout_ref.actor.ppo_epochs / (
-                seconds["update_actor"] * self.peak_flops * self.sizes.world)
-        return out
+        return throughput_metrics(batch, seconds, self.n_params, self.peak_flops,
+                                  self.cfg.actor_rollout_ref.actor.ppo_epochs, self.sizes.world, generated)
 
     # -- loop ----------------------------------------------------------------------------------
 
@@ -396,115 +318,29 @@ class PPOTrainer:
         return out
 
     def write_samples(self, batch: RolloutBatch, name: str, limit: int = 64):
-        """Trajectories with their token masks, for the report and for reading by eye."""
-        path = os.path.join(self.out_dir, "samples", f"{name}.jsonl")
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path, "w") as f:
-            for i in range(min(limit, len(batch))):
-                f.write(json.dumps({"step": self.step, "data_source": batch.info["data_source"][i],
-                                    "ground_truth": _jsonable(batch.info["ground_truth"][i]),
-                                    "response": batch.info["response_text"][i],
-                                    "response_ids": batch.info["response_ids"][i],
-                                    "loss_mask": batch.info["loss_mask"][i],
-                                    "reward": batch.info["reward"][i], **batch.info["stats"][i].as_row()}) + "\n")
+        write_samples(batch, os.path.join(self.out_dir, "samples", f"{name}.jsonl"), self.step, limit)
 
     def save(self):
-        from verl.trainer.checkpoint import export_hf
-        root = os.path.join(self.out_dir, "checkpoints")
         state = {"step": self.step, "sampler": self.sampler.state(), "kl_coef": float(self.kl_ctrl.value),
                  "health": self.health.state(), "lr_scale": self.lr_scale}
-        keep = self.cfg.trainer.keep_last_checkpoints
-        if self.critic is not None:  # the critic first: the actor's `latest` marks a complete step
-            self.critic.get([w.save.remote(root, self.step, state, keep) for w in self.critic.workers], "save",
-                            self.step)
-        self.policy.get([w.save.remote(root, self.step, state, keep) for w in self.policy.workers], "save", self.step)
-        if self.cfg.trainer.export_hf_on_save:
-            export_hf(os.path.join(root, f"global_step_{self.step}"), "actor",
-                      os.path.join(self.out_dir, "hf_actor"), self.cfg.actor_rollout_ref.model.path,
-                      overwrite=True)
+        self.checkpoints.save(self.step, state)
 
     def resume(self):
-        """Load the newest checkpoint that verifies: one whose files fail their checksums, lack a
-        manifest (unless trainer.allow_unverified_checkpoint) or cannot be read is skipped with a
-        warning naming the file, and the one before it is tried. The logs then drop the rows of the
-        steps after it, which are trained again."""
-        from verl.trainer.checkpoint import CheckpointCorrupt
+        """Resume from the newest checkpoint that verifies (Checkpoints.load_newest). The logs then drop
+        the rows of the steps after it, which are trained again."""
         if self.cfg.trainer.resume_mode != "auto":
             return
-        root = os.path.join(self.out_dir, "checkpoints")
-        failed = []
-        for step in self.resume_candidates(root):
-            try:
-                state = self.load_step(root, step, "resume", at=None)
-            except CheckpointCorrupt as error:
-                error = getattr(error, "cause", error)  # what the worker raised, without Ray's wrapping
-                failed.append(str(error))
-                log.warning("%s; trying the checkpoint before it", error)
-                continue
+        state = self.checkpoints.load_newest()
+        if state is not None:
             self.step = state["step"]
             self.sampler.restore(state["sampler"])
             self.kl_ctrl.value = state.get("kl_coef", self.kl_ctrl.value)
             if "health" in state:
                 self.health.restore(state["health"])
                 self.lr_scale = state["lr_scale"]
-            log.info("resumed from step %d (%s)", step, root)
-            break
-        else:
-            if failed:
-                raise RuntimeError(
-                    f"No checkpoint under {root} verifies: {'; '.join(failed)}. To start fresh, set "
-                    f"trainer.resume_mode=disable (the checkpoints are left as they are) or a new "
-                    f"trainer.default_local_dir.")
         # Also with no checkpoint at all: the steps a crashed run logged before its first save are redone.
-        self.trim_data_order()
+        trim_data_order(self.out_dir, self.step)
         self.tracker.rewind(self.step)
-
-    def resume_candidates(self, root: str) -> list[int]:
-        """Steps under `root` to resume from, newest first; with a critic, only steps it saved too
-        (it saves first: a step without the actor's half is incomplete)."""
-        from verl.trainer.checkpoint import complete_steps, resume_steps
-        steps = resume_steps(root)
-        if self.critic is not None:
-            critic_steps = set(complete_steps(os.path.join(root, "critic")))
-            steps = [s for s in steps if s in critic_steps]
-        return steps
-
-    def load_step(self, root: str, step: int, what: str, at: int | None) -> dict:
-        """Load checkpoint `step` into every worker (the policy's, then the critic's), for `what`
-        (resume, rollback) at training step `at`; the trainer state saved with it. Raises
-        CheckpointCorrupt where a file fails verification."""
-        state = self.policy.get([w.load.remote(root, step) for w in self.policy.workers], what, at)[0]
-        if self.critic is not None:
-            self.critic.get([w.load.remote(root, step) for w in self.critic.workers], what, at)
-        return state
-
-    def newest_intact_step(self, root: str) -> tuple[int | None, list[str]]:
-        """The newest checkpoint under `root` whose files verify (both halves with a critic), checked
-        here on the driver without loading it; and why each newer one failed."""
-        from verl.trainer.checkpoint import CheckpointCorrupt, checkpoint_dir, verify_checkpoint
-        allow, failed = self.cfg.trainer.allow_unverified_checkpoint, []
-        for step in self.resume_candidates(root):
-            try:
-                verify_checkpoint(checkpoint_dir(root, step), allow)
-                if self.critic is not None:
-                    verify_checkpoint(checkpoint_dir(os.path.join(root, "critic"), step), allow)
-            except CheckpointCorrupt as error:
-                failed.append(str(error))
-                continue
-            return step, failed
-        return None, failed
-
-    def trim_data_order(self) -> None:
-        """Drop the data_order.jsonl lines of steps after the one resumed from: those steps are
-        trained again, and each step is to be listed once."""
-        path = os.path.join(self.out_dir, "data_order.jsonl")
-        if not os.path.exists(path):
-            return
-        with open(path) as f:
-            kept = [line for line in f if line.strip() and json.loads(line)["step"] <= self.step]
-        with open(path + ".tmp", "w") as f:
-            f.writelines(kept)
-        os.replace(path + ".tmp", path)
 
     def stop_if_not_finite(self, metrics: dict) -> None:
         """End the run at a step whose loss or gradient norm is nan or inf, before it is validated or
@@ -513,8 +349,8 @@ class PPOTrainer:
         if not bad:
             return
         self.tracker.log(metrics, step=self.step)  # the bad values show next to the steps before them
-        root = os.path.join(self.out_dir, "checkpoints")
-        newest, failed = self.newest_intact_step(root)
+        root = self.checkpoints.root
+        newest, failed = self.checkpoints.newest_intact()
         skipped = f" (newer ones fail verification: {'; '.join(failed)})" if failed else ""
         if newest is not None:
             where = (f"The newest checkpoint that verifies is step {newest} in {root}{skipped}: rerun to resume "
@@ -535,7 +371,7 @@ class PPOTrainer:
         if h.action == "warn":
             log.warning("%s. Training goes on (trainer.health.action=warn)", what)
             return False
-        root = os.path.join(self.out_dir, "checkpoints")
+        root = self.checkpoints.root
         failed = []
         if h.action == "stop":
             reason = ("The run stops here (trainer.health.action=stop) without saving this step; rerun to resume "
@@ -544,7 +380,8 @@ class PPOTrainer:
         elif self.health.rollbacks >= h.max_rollbacks:
             reason = (f"The run stops: it has rolled back {self.health.rollbacks} times already "
                       f"(trainer.health.max_rollbacks={h.max_rollbacks})")
-        elif (target := self.roll_back(root, signs, failed)) is None:
+        elif (target := self.checkpoints.roll_back(lambda kept: self.health.rollback_target(kept, signs),
+                                                   self.step, failed)) is None:
             skipped = f" ({'; '.join(failed)})" if failed else ""
             reason = (f"No checkpoint saved while healthy that verifies is left under {root} to roll back "
                       f"to{skipped}: save more often (trainer.save_freq) or keep more "
@@ -563,23 +400,6 @@ class PPOTrainer:
                     "and fresh sampling seeds (rollback %d of at most %d; trainer.health.action=rollback)",
                     what, target, self.lr_scale, self.health.rollbacks, h.max_rollbacks)
         return True
-
-    def roll_back(self, root: str, signs: list[str], failed: list[str]) -> int | None:
-        """Load the checkpoint the health watch picks to go back to; where it fails verification, the
-        one it picks among those left, and so on. The step loaded, or None; `failed` gets why each
-        checkpoint tried was refused."""
-        from verl.trainer.checkpoint import CheckpointCorrupt, complete_steps
-        kept = complete_steps(root)
-        while (target := self.health.rollback_target(kept, signs)) is not None:
-            try:
-                self.load_step(root, target, "rollback", at=self.step)
-                return target
-            except CheckpointCorrupt as error:
-                error = getattr(error, "cause", error)  # what the worker raised, without Ray's wrapping
-                failed.append(str(error))
-                log.warning("%s; rolling back to an earlier checkpoint instead", error)
-                kept.remove(target)
-        return None
 
     def profile(self, action: str) -> None:
         """Start or stop every worker's profiler around the step being run (trainer.profile_steps).
@@ -652,23 +472,8 @@ class PPOTrainer:
         self.tracker.finish()
 
 
+
 def is_last_step(step: int, total_steps: int, elapsed_s: float, limit_minutes: float | None) -> bool:
     """After `step` steps and `elapsed_s` seconds of `fit`: is this step the last one? Yes at the
     planned total, or once the time limit is spent (a step that has started always finishes)."""
     return step >= total_steps or (limit_minutes is not None and elapsed_s >= 60 * limit_minutes)
-
-
-def _merge_worker_metrics(dicts: list[dict], prefix: str = "") -> dict:
-    """The workers' metrics under `prefix` + name: averaged over workers, except peak memory
-    (`memory/…`), where the fullest worker is what meets the GPU's capacity."""
-    keys = set().union(*dicts)
-    return {prefix + k: float((np.max if k.startswith("memory/") else np.mean)([d[k] for d in dicts if k in d]))
-            for k in keys}
-
-
-def _jsonable(x):
-    if isinstance(x, np.ndarray):
-        return x.tolist()
-    if isinstance(x, dict):
-        return {k: _jsonable(v) for k, v in x.items()}
-    return x

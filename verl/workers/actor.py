@@ -11,12 +11,12 @@ import torch
 import torch.distributed as dist
 
 from verl.batch import RolloutBatch
-from verl.trainer.config import ActorConfig, ModelConfig
-from verl.trainer.core_algos import agg_loss, kl_penalty, policy_loss, truncated_importance_weights
+from verl.config.schema import ActorConfig, ModelConfig
+from verl.core_algos import agg_loss, kl_penalty, policy_loss, truncated_importance_weights
 from verl.workers.distributed import compute_device, mixed_precision_context, shard
+from verl.workers.memory import synthetic_batch
 from verl.workers.modeling import build_causal_lm, compile_layers, pick_attn_implementation
 from verl.workers.packing import forward_packed, tokens_per_pack
-from verl.workers.memory import synthetic_batch
 from verl.workers.update import TokenBudgets, TrainedModel, micro_batches, plan_before_first_pass
 
 

@@ -15,12 +15,12 @@ import torch
 import torch.distributed as dist
 
 from verl.batch import RolloutBatch
-from verl.trainer.config import ActorConfig, CriticConfig
-from verl.trainer.core_algos import value_loss
+from verl.config.schema import ActorConfig, CriticConfig
+from verl.core_algos import value_loss
 from verl.workers.distributed import compute_device, mixed_precision_context, shard
+from verl.workers.memory import synthetic_batch
 from verl.workers.modeling import build_value_model, pick_attn_implementation
 from verl.workers.packing import tokens_per_pack, values_packed
-from verl.workers.memory import synthetic_batch
 from verl.workers.update import TokenBudgets, TrainedModel, micro_batches, plan_before_first_pass
 
 

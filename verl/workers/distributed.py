@@ -1,7 +1,6 @@
-"""The process group and FSDP2: joining the group, sharding a model, gradient accumulation over
-micro-batches, gathering full weights for the rollout engine, and the compute precision.
+"""FSDP2 over the process group (verl.utils.process_group): sharding a model, gradient accumulation
+over micro-batches, gathering full weights for the rollout engine, and the compute precision.
 
-- `init_distributed`: one process group per worker process (NCCL on GPUs, gloo on CPU).
 - `shard`: FSDP2 (`fully_shard`) on every decoder layer, then on the root; `accumulation_steps`:
   one all-gather and one reduce-scatter per optimizer step instead of per micro-batch (optional).
 - `full_state_dict_iter`: full tensors one at a time, for pushing weights to the rollout engine.
@@ -11,71 +10,22 @@ micro-batches, gathering full weights for the rollout engine, and the compute pr
 from __future__ import annotations
 
 import contextlib
-import datetime
 import logging
-import os
 from collections.abc import Iterator
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from verl.utils.process_group import comm_device
 from verl.workers.modeling import decoder_layers
 
 logger = logging.getLogger(__name__)
 
 
-def init_distributed(timeout_minutes: int = 30) -> tuple[int, int]:
-    """Join the process group described by RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT (env://).
-
-    NCCL when CUDA is available (and the CUDA device is set from LOCAL_RANK first), gloo otherwise.
-    Returns (rank, world_size); does nothing but return them if the group already exists.
-    """
-    if dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
-    if missing:
-        raise RuntimeError(
-            f"init_distributed needs the environment variables {missing}: launch with torchrun, or set "
-            f"RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT in each worker before creating it")
-    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    kwargs = {}
-    if torch.cuda.is_available():
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        torch.cuda.set_device(local_rank)
-        backend = "nccl"
-        kwargs["device_id"] = torch.device("cuda", local_rank)  # eager NCCL init, no device guessing
-    else:
-        backend = "gloo"
-    dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(minutes=timeout_minutes), **kwargs)
-    return rank, world_size
-
-
 def compute_device() -> torch.device:
     """Where forwards run: the current CUDA device, or the CPU."""
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-
-
-def world_size() -> int:
-    return dist.get_world_size() if dist.is_initialized() else 1
-
-
-def comm_device() -> torch.device:
-    """Device for tensors we all-reduce ourselves: NCCL only moves CUDA tensors, gloo CPU ones."""
-    if dist.is_initialized() and dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def all_reduce_scalar(value: float, op=dist.ReduceOp.SUM) -> float:
-    """A python number reduced over all ranks (unchanged without a process group)."""
-    if not dist.is_initialized():
-        return value
-    t = torch.tensor([value], dtype=torch.float64, device=comm_device())
-    dist.all_reduce(t, op=op)
-    return t.item()
 
 
 def shard(model: nn.Module, cpu_offload: bool = False, mixed_precision: bool = True) -> nn.Module:

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from verl.batch import RolloutBatch, pack_trajectories
-from verl.workers.distributed import all_reduce_scalar
+from verl.utils.process_group import all_reduce_scalar
 from verl.workers.modeling import decoder_layers, recompute_layers
 
 log = logging.getLogger(__name__)

@@ -40,8 +40,8 @@ import itertools
 import torch
 import torch.distributed as dist
 
-from verl.trainer.core_algos import logprobs_and_entropy
-from verl.workers.distributed import all_reduce_scalar
+from verl.core_algos import logprobs_and_entropy
+from verl.utils.process_group import all_reduce_scalar
 from verl.workers.modeling import VARLEN_ATTN, ValueModel
 
 

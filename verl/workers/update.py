@@ -15,9 +15,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from verl.batch import RolloutBatch, token_budget_parts
-from verl.trainer.core_algos import LossAgg
-from verl.workers.distributed import (accumulation_steps, all_reduce_scalar, comm_device, compute_device,
-                                      world_size)
+from verl.core_algos import LossAgg
+from verl.utils.process_group import all_reduce_scalar, comm_device, world_size
+from verl.workers.distributed import accumulation_steps, compute_device
 
 logger = logging.getLogger(__name__)
 
@@ -223,7 +223,7 @@ class TrainedModel:
     def __init__(self, model: nn.Module, optim, fsdp, *, total_steps: int | None, grad_clip: float | None,
                  micro_batch_size: int, ppo_epochs: int, loss_agg: str, state_masking: bool, seed: int,
                  budgets: TokenBudgets | None = None):
-        """`optim`: an OptimConfig, `fsdp`: an FSDPConfig (verl.trainer.config). `budgets`: tokens per
+        """`optim`: an OptimConfig, `fsdp`: an FSDPConfig (verl.config.schema). `budgets`: tokens per
         micro-batch (use_dynamic_bsz); None: `micro_batch_size` trajectories."""
         self.device = compute_device()
         self.model = model

@@ -9,9 +9,9 @@ import pytest
 from verl.workers.rollout.engines import Generation, SamplingConfig
 from search_r1.agent.loop import (INVALID_ACTION, SEARCH_FAILED, AgentConfig, Finish, HTTPSearcher,
                                   Schedule, SearchAgent, SearchAgentLoop, SearchTrajectory)
-from verl.workers.rollout.agent_loop import build_options
 from search_r1.local_models import load_smollm2_tokenizer
 from search_r1.retrieval.client import RetrieverConfig
+from verl.workers.rollout.loop_from_config import build_options
 from conftest import free_port, vllm_skip_reason
 
 GREEDY = SamplingConfig(temperature=0, max_tokens=256)
@@ -200,8 +200,9 @@ def test_turn_prefix_opens_the_turn_after_every_observation(tokenizer):
 
 def test_the_trainer_loop_takes_turn_prefix_and_refuses_unknown_options(tokenizer):
     from search_r1.agent.loop import SearchAgentLoop
-    from verl.trainer.config import ConfigError
-    from verl.workers.rollout.agent_loop import AgentLoopSettings, build_options
+    from verl.config.schema import ConfigError
+    from verl.workers.rollout.agent_loop import AgentLoopSettings
+    from verl.workers.rollout.loop_from_config import build_options
     retriever = {"url": "http://127.0.0.1:1/retrieve"}
     options = build_options(SearchAgentLoop, {"max_turns": 2, "retriever": retriever, "turn_prefix": "<think>"},
                             "agent_kwargs")
@@ -343,8 +344,8 @@ def test_vllm_agent_against_real_retrieval_server(smollm2_dir, dense_server):
     the server, observation tokens; greedy, so both schedules must agree."""
     if reason := vllm_skip_reason():
         pytest.skip(reason)
-    from verl.workers.rollout.engines import VLLMEngine
     from search_r1.data.templates import make_prompt
+    from verl.workers.rollout.engines import VLLMEngine
 
     engine = VLLMEngine(smollm2_dir, seed=0, max_model_len=2048, kv_cache_memory_bytes=256 << 20)
     tok = engine.tokenizer
@@ -376,9 +377,9 @@ def test_logit_bias_reaches_the_engine(tiny_model_dir, schedule):
     """A real HF engine on a random model: a large bias on one token makes every model token that
     token, so the loop's per-turn settings (room-limited max_tokens) keep the bias; the trainer's
     SearchAgentLoop, which caps tokens per turn, keeps it too. No search happens: nothing listens."""
-    from verl.workers.rollout.engines import HFEngine
     from search_r1.agent.loop import SearchAgentLoop
     from verl.workers.rollout.agent_loop import AgentLoopSettings
+    from verl.workers.rollout.engines import HFEngine
 
     engine = HFEngine(tiny_model_dir, seed=0)
     tok = engine.tokenizer

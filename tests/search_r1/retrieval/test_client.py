@@ -72,7 +72,8 @@ def test_the_key_reaches_the_server_and_a_wrong_one_is_not_retried(bm25_server_p
 def test_the_search_agent_checks_its_retriever_before_training(bm25_server_process):
     """The trainer's preflight: the right key passes; a wrong one stops with the URL and the 401."""
     from search_r1.agent.loop import SearchAgentLoop
-    from verl.workers.rollout.agent_loop import AgentLoopSettings, PreflightError, build_options
+    from verl.workers.rollout.agent_loop import AgentLoopSettings, PreflightError
+    from verl.workers.rollout.loop_from_config import build_options
 
     def settings(api_key):
         return AgentLoopSettings(max_tokens_per_turn=64, options=build_options(SearchAgentLoop, {

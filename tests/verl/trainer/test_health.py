@@ -12,9 +12,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import verl.trainer.checkpoint as checkpoint
-from verl.trainer.checkpoint import load_checkpoint, save_checkpoint
-from verl.trainer.config import ConfigError, HealthConfig, TrainerConfig, load_config
+from verl.checkpoint.store import complete_steps, load_checkpoint, save_checkpoint
+from verl.config.load import load_config
+from verl.config.schema import ConfigError, HealthConfig, TrainerConfig
 from verl.trainer.health import NO_ACTION, HealthWatch, Unhealthy
 from verl.trainer.ppo_trainer import PPOTrainer
 from verl.utils.dataset import Example, PromptSampler
@@ -248,7 +248,7 @@ def test_rollback_goes_to_the_last_healthy_checkpoint_with_a_lower_rate(tmp_path
     assert trainer.policy.loaded == [4] and trainer.policy.scales == [pytest.approx(0.1)]
     assert trainer.health.rollbacks == 1 and trainer.step == 8
     # step 5's state was discarded: not saved; the steps after it train on from step 4's weights
-    assert checkpoint.complete_steps(tmp_path / "checkpoints") == [4, 6, 8]   # 3 kept, none of step 5
+    assert complete_steps(tmp_path / "checkpoints") == [4, 6, 8]   # 3 kept, none of step 5
     steps = [step for step, _ in trainer.tracker.logged]
     assert steps == sorted(set(steps))   # each step logged once, in order
     logged = dict(trainer.tracker.logged)
@@ -276,7 +276,7 @@ def test_a_rollback_skips_a_checkpoint_that_fails_verification(tmp_path, caplog)
         return {"reward/mean": 0.5, "pg_loss": 0.1, "grad_norm": 1.0} | next(rows)
 
     trainer.train_step = step
-    with caplog.at_level(logging.WARNING, logger="verl.trainer.ppo_trainer"):
+    with caplog.at_level(logging.WARNING, logger="verl.trainer"):
         trainer.fit()
     assert trainer.policy.loaded == [5, 4] and trainer.health.rollbacks == 1
     assert "global_step_5/manifest.json is missing" in caplog.text
@@ -293,7 +293,7 @@ def test_stop_ends_the_run_at_the_sign_without_saving_it(tmp_path):
     trainer = _trainer(tmp_path, [CALM] * 4 + [SPIKE] + [CALM], action="stop")
     with pytest.raises(Unhealthy, match=r"step 5: entropy 50 is above 3× its median"):
         trainer.fit()
-    assert checkpoint.complete_steps(tmp_path / "checkpoints") == [2, 4]
+    assert complete_steps(tmp_path / "checkpoints") == [2, 4]
     assert trainer.tracker.logged[-1][0] == 5
 
 
@@ -311,7 +311,7 @@ def test_rollback_saves_the_starting_state_so_the_first_steps_can_go_back(tmp_pa
     trainer = _trainer(tmp_path, [{"pg_loss": float("nan")}, CALM, CALM], action="rollback")
     trainer.fit()
     assert trainer.policy.loaded == [0] and trainer.health.rollbacks == 1
-    assert 0 in checkpoint.complete_steps(tmp_path / "checkpoints")
+    assert 0 in complete_steps(tmp_path / "checkpoints")
 
 
 # ---------------------------------------------------------------- the metrics the signs read

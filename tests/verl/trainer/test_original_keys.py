@@ -9,7 +9,9 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from verl.trainer.config import ConfigError, check_agent_keys, derive_sizes, load_config
+from verl.config.load import check_agent_keys, load_config
+from verl.config.schema import ConfigError
+from verl.config.sizes import derive_sizes
 from verl.trainer.main_ppo import accept_plus_on_existing_keys
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -127,7 +129,7 @@ def test_reward_terms_out_of_range_stop_at_start_up(override, message):
 def test_the_original_command_line_alone_selects_the_search_agent_and_the_em_reward():
     """The original never named an agent loop or a reward: its max_turns and retriever.* keys run the
     search agent with the data-source EM reward here too (search_r1.compat)."""
-    from verl.single_controller.roles import agent_loop_settings
+    from verl.workers.rollout.loop_from_config import agent_loop_settings
     cfg = load(ORIGINAL_GRPO)
     assert cfg.actor_rollout_ref.rollout.agent_loop == "search_r1.agent.loop:SearchAgentLoop"
     assert cfg.reward.function == "search_r1.rewards:score_for"

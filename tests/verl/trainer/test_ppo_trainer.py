@@ -1,7 +1,8 @@
 """PPOTrainer's choice of the separate old-log-prob pass (actor.old_log_probs)."""
 import pytest
 
-from verl.trainer.config import derive_sizes, load_config
+from verl.config.load import load_config
+from verl.config.sizes import derive_sizes
 from verl.trainer.ppo_trainer import PPOTrainer
 from verl.utils.dataset import Example, PromptSampler
 
@@ -78,8 +79,8 @@ def test_a_response_begun_in_the_prompt_is_scored_whole():
 
 
 def test_worker_metrics_are_averaged_but_peak_memory_is_the_fullest_workers():
-    from verl.trainer.ppo_trainer import _merge_worker_metrics
-    merged = _merge_worker_metrics([{"pg_loss": 1.0, "memory/update_peak_reserved_gib": 60.0},
+    from verl.trainer.metrics import merge_worker_metrics
+    merged = merge_worker_metrics([{"pg_loss": 1.0, "memory/update_peak_reserved_gib": 60.0},
                                     {"pg_loss": 3.0, "memory/update_peak_reserved_gib": 70.0}], prefix="x/")
     assert merged == {"x/pg_loss": 2.0, "x/memory/update_peak_reserved_gib": 70.0}
 
@@ -202,7 +203,7 @@ def test_the_filter_metric_picks_the_value_that_must_vary(tmp_path, metric, kept
 
 def test_a_prompt_drawn_twice_in_a_step_makes_two_groups(tmp_path):
     """Past an epoch's end the sampler gives the same prompts again: their groups stay apart."""
-    from verl.trainer import core_algos
+    from verl import core_algos
     from verl.trainer.ppo_trainer import Timer
     rewards = {0: VARIED, 1: FLAT, 2: FLAT, 3: FLAT}
     trainer = _filtering_trainer(tmp_path, rewards, prompts=4)

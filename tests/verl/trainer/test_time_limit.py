@@ -4,7 +4,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from verl.trainer.config import load_config
+from verl.config.load import load_config
 from verl.trainer.ppo_trainer import is_last_step
 
 CONFIG = Path(__file__).resolve().parents[3] / "configs" / "ppo_trainer.yaml"

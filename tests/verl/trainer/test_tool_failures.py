@@ -12,9 +12,10 @@ import pytest
 import torch
 
 from conftest import free_port
-from verl.trainer.config import TrainerConfig
-from verl.workers.rollout.agent_loop import TrajectoryStats
+from verl.config.schema import TrainerConfig
 from verl.trainer.ppo_trainer import PPOTrainer, ToolFailures
+from verl.trainer.resume import trim_data_order
+from verl.workers.rollout.agent_loop import TrajectoryStats
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -66,6 +67,5 @@ def test_a_resumed_run_lists_each_step_once_in_data_order(tmp_path):
     import json
     lines = [json.dumps({"step": s, "indices": [s]}) + "\n" for s in (1, 2, 3)]
     (tmp_path / "data_order.jsonl").write_text("".join(lines))
-    resumed = SimpleNamespace(out_dir=str(tmp_path), step=2)  # step 3 ran but was not saved
-    PPOTrainer.trim_data_order(resumed)
+    trim_data_order(str(tmp_path), step=2)  # step 3 ran but was not saved
     assert [json.loads(l)["step"] for l in (tmp_path / "data_order.jsonl").read_text().splitlines()] == [1, 2]

@@ -59,8 +59,8 @@ def test_template_kwargs_reach_the_tool_messages(tok):
 def test_the_config_key_reaches_the_agent_loop():
     from hydra import compose, initialize_config_dir
 
-    from verl.single_controller.roles import agent_loop_settings
-    from verl.trainer.config import load_config
+    from verl.workers.rollout.loop_from_config import agent_loop_settings
+    from verl.config.load import load_config
     base = ["data.train_files=t.parquet", "actor_rollout_ref.model.path=m"]
     with initialize_config_dir(config_dir=str(CONFIG.parent), version_base=None):
         assert load_config(compose("ppo_trainer", overrides=base)).data.apply_chat_template_kwargs is None

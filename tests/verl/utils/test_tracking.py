@@ -106,7 +106,7 @@ def test_a_backend_without_its_package_stops_the_run_at_start_up(backend, tmp_pa
     reading its config, before the model or any worker, and names the package to install."""
     from hydra import compose, initialize_config_dir
 
-    from verl.trainer.config import ConfigError
+    from verl.config.schema import ConfigError
     from verl.trainer.main_ppo import run
 
     monkeypatch.setitem(sys.modules, backend, None)

@@ -23,9 +23,9 @@ import torch
 import torch.multiprocessing as mp
 
 from verl.batch import RolloutBatch, pack_trajectories
+from verl.config.schema import ActorConfig, CriticConfig, CriticModelConfig, FSDPConfig, ModelConfig, OptimConfig
 from verl.workers.actor import Actor, Reference
 from verl.workers.critic import Critic
-from verl.trainer.config import ActorConfig, CriticConfig, CriticModelConfig, FSDPConfig, ModelConfig, OptimConfig
 from verl.workers.distributed import full_state_dict_iter
 from verl.workers.update import micro_batches
 from verl.workers.modeling import (VARLEN_ATTN, _enable_gradient_checkpointing, build_causal_lm, build_value_model,
@@ -399,7 +399,7 @@ def _fsdp_rank(rank, world, port, model_dir, batch_path, out_dir, unsharded):
     torch.set_num_threads(1)
     import torch.distributed as dist
 
-    from verl.workers.distributed import init_distributed
+    from verl.utils.process_group import init_distributed
     init_distributed(timeout_minutes=2)  # a collective mismatch fails the test instead of hanging it
     try:
         part = torch.load(batch_path, weights_only=False).split(world)[rank]

@@ -14,9 +14,9 @@ import torch
 import torch.multiprocessing as mp
 
 from verl.batch import pack_trajectories
+from verl.config.schema import ActorConfig, CriticConfig, CriticModelConfig, FSDPConfig, ModelConfig, OptimConfig
 from verl.workers.actor import Actor, Reference
 from verl.workers.critic import Critic
-from verl.trainer.config import ActorConfig, CriticConfig, CriticModelConfig, FSDPConfig, ModelConfig, OptimConfig
 from verl.workers.distributed import full_state_dict_iter
 from verl.workers.memory import MAX_TOKENS
 from verl.workers.modeling import VARLEN_ATTN, build_causal_lm, decoder_layers, pick_attn_implementation
@@ -136,7 +136,7 @@ def _rank(rank, world, port, model_dir, batch_path, out_dir):
                       MASTER_PORT=str(port))
     import torch.distributed as dist
 
-    from verl.workers.distributed import init_distributed
+    from verl.utils.process_group import init_distributed
     init_distributed(timeout_minutes=3)
     try:
         part = torch.load(batch_path, weights_only=False).split(world)[rank]

@@ -1,25 +1,21 @@
-"""The contract between the trainer and an agent loop, and how the trainer finds one.
+"""The contract between the trainer and an agent loop (how the trainer finds one: loop_from_config).
 
 An agent loop turns prompts into trajectories with an engine: one generation (`SingleTurnLoop`, the
 default) or many turns with tools between them (the search agent, `search_r1.agent.loop`). The
 trainer names it in its config (`actor_rollout_ref.rollout.agent_loop: "package.module:Class"`) and
 knows nothing else about it: what a loop needs beyond `AgentLoopSettings` it declares as a typed
 options dataclass (the class attribute `Options`), which the config section of its options
-(`actor_rollout_ref.rollout.agent_kwargs`) is checked against at start-up (`build_options`: an
-unknown key or a wrong type stops the run, naming the key) and which reaches the loop as
-`settings.options`; what it reports per trajectory beyond the token counts comes back in
-`TrajectoryStats.metrics`, which the trainer logs as `agent/<name>`. A loop that can tell a
+(`actor_rollout_ref.rollout.agent_kwargs`) is checked against at start-up (an unknown key or a
+wrong type stops the run, naming the key) and which reaches the loop as `settings.options`; what
+it reports per trajectory beyond the token counts comes back in `TrajectoryStats.metrics`, which
+the trainer logs as `agent/<name>`. A loop that can tell a
 trajectory that took no action (neither called a tool nor answered) reports it as the metric
 `no_action` (1 or 0), which the trainer's health watch reads (`trainer.health.no_action_rise`).
 """
 from __future__ import annotations
 
-import dataclasses
-import importlib
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
-
-from omegaconf import OmegaConf
 
 from verl.workers.rollout.engines import Engine, SamplingConfig
 
@@ -83,45 +79,3 @@ class AgentLoop(Protocol):
 
     def run(self, prompts: list[list[int]], sampling: SamplingConfig) -> list[AgentTrajectory]:
         """One trajectory per prompt, in order. `sampling.max_tokens` caps each generation."""
-
-
-def load_agent_loop(spec: str | None) -> type[AgentLoop]:
-    """'module:Class' → the class; None → SingleTurnLoop."""
-    if not spec:
-        from verl.workers.rollout.single_turn import SingleTurnLoop
-        return SingleTurnLoop
-    module, _, name = spec.partition(":")
-    try:
-        return getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"actor_rollout_ref.rollout.agent_loop={spec!r} cannot be loaded ({e}); "
-                         "give it as 'package.module:ClassName'") from None
-
-
-def build_options(loop_cls: type, given: dict[str, Any] | None, where: str) -> Any:
-    """`given` (the config section `where` of the loop's options) as an instance of `loop_cls.Options`.
-    An unknown key, also inside a nested section, or a wrong type raises ConfigError naming it."""
-    from verl.trainer.config import ConfigError
-    name = f"{loop_cls.__module__}:{loop_cls.__name__}"
-    options_cls = getattr(loop_cls, "Options", None)
-    if options_cls is None or not dataclasses.is_dataclass(options_cls):
-        raise ConfigError(f"the agent loop {name} declares no options dataclass (its class attribute Options)")
-    given = dict(given or {})
-    for dotted, known in _unknown_keys(options_cls(), given, ""):
-        raise ConfigError(f"{where}.{dotted}: the agent loop {name} has no such option; its options here: "
-                          f"{', '.join(known)}")
-    try:
-        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(options_cls), given))
-    except Exception as e:  # OmegaConf names the key and the expected type
-        key, message = getattr(e, "full_key", None), getattr(e, "msg", str(e))
-        raise ConfigError(f"{where}.{key}: {message}" if key else f"{where}: {message}") from None
-
-
-def _unknown_keys(defaults: Any, given: dict, prefix: str):
-    """(dotted key, the known names beside it) for each key of `given` the dataclass `defaults` lacks."""
-    known = {f.name: getattr(defaults, f.name) for f in dataclasses.fields(defaults)}
-    for key, value in given.items():
-        if key not in known:
-            yield prefix + str(key), sorted(known)
-        elif dataclasses.is_dataclass(known[key]) and isinstance(value, dict):
-            yield from _unknown_keys(known[key], value, f"{prefix}{key}.")

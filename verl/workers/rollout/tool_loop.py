@@ -28,9 +28,9 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from verl.config.schema import MultiTurnConfig
 from verl.tools.base import ToolRunner, build_tools, read_tool_config, tool_schemas
 from verl.tools.chat import CALL_CLOSE, CALL_OPEN, ChatFormat
-from verl.trainer.config import MultiTurnConfig
 from verl.workers.rollout.agent_loop import AgentLoopSettings
 from verl.workers.rollout.multi_turn import Finish, MultiTurnAgent, Schedule, Trajectory, TurnConfig
 

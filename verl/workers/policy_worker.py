@@ -1,46 +1,22 @@
-"""Worker processes. One `PolicyWorker` per GPU holds the FSDP2 actor, the colocated rollout
-engine and the reference model; `CriticWorker`s hold the critic when the estimator needs values.
-The driver calls them through Ray (see ray_group.py); every method takes and returns plain data
-(RolloutBatch on CPU, dicts of floats)."""
+"""The policy's worker process, one per GPU: the FSDP2 actor, the colocated rollout engine and the
+reference model. The driver calls it through Ray (verl.single_controller.ray_group); every method
+takes and returns plain data (RolloutBatch on CPU, dicts of floats)."""
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import logging
 import os
 import time
 
 import torch
 
 from verl.batch import RolloutBatch, pack_trajectories
-from verl.trainer.config import Sizes, TrainerConfig, agent_loop_spec
+from verl.config.load import agent_loop_spec
+from verl.config.schema import TrainerConfig
+from verl.config.sizes import Sizes
 from verl.utils.profiling import phase
-from verl.workers.rollout.agent_loop import AgentLoopSettings, build_options, load_agent_loop
-
-log = logging.getLogger(__name__)
-
-
-def _init_process_group(rank: int, world: int, addr: str, port: int, device: str):
-    if world == 1:
-        # One process: the roles run unsharded and no communicator is needed (creating an NCCL
-        # one failed on a virtualised GPU node: "Failed to CUDA calloc async").
-        return
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR=addr, MASTER_PORT=str(port),
-                      LOCAL_RANK="0")
-    # NVLink multicast must stay off on shared hosts.
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    from verl.workers.distributed import init_distributed
-    init_distributed()
-
-
-def rendezvous() -> tuple[str, int]:
-    """This node's address and a port free on it, for rank 0 to host the process group."""
-    import socket
-
-    import ray
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return ray.util.get_node_ip_address(), s.getsockname()[1]
+from verl.workers.rollout.loop_from_config import agent_loop_settings, load_agent_loop
+from verl.workers.worker_process import (ProfiledWorker, expandable_segments, join_process_group, release_cached_memory,
+                                         rendezvous)
 
 
 def separate_engine_core(rollout, device: str) -> bool:
@@ -67,23 +43,6 @@ def vllm_engine_kwargs(rollout, world: int, separate: bool, device: str) -> dict
     return kw | dict(rollout.engine_kwargs or {})
 
 
-def agent_schedule(rollout, device: str) -> str:
-    """The agent loop's schedule (rollout.schedule; auto: continuous where the engine can step, i.e.
-    vLLM, on a GPU, and sync otherwise)."""
-    if rollout.schedule != "auto":
-        return rollout.schedule
-    return "continuous" if rollout.name == "vllm" and device == "cuda" else "sync"
-
-
-def release_cached_memory() -> dict:
-    """After an update, give the blocks PyTorch's allocator keeps cached back to the GPU, so that
-    what comes next on it can use them: the engine waking up, or, without sleep mode, other
-    processes sharing the GPU (the cache of an update's peak would otherwise be held through the
-    whole rollout). Returns the memory this process still holds, as a metric."""
-    torch.cuda.empty_cache()
-    return {"memory/after_update_reserved_gib": torch.cuda.memory_reserved() / 2**30}
-
-
 @contextlib.contextmanager
 def explain_out_of_memory(what: str, rollout):
     """Re-raise a GPU out-of-memory error of `what` with the keys that make room. vLLM reports a
@@ -107,16 +66,6 @@ def explain_out_of_memory(what: str, rollout):
             f"(trainer.n_gpus_per_node).{copy}") from error
 
 
-def expandable_segments(on: bool) -> None:
-    """Switch PyTorch's allocator to expandable segments (on) or back to fixed blocks (off). Training
-    passes allocate tensors of a new length at every micro-batch; in fixed blocks the cache fragments
-    and the update's reserved memory grew well past its allocated peak until a step ran out of memory.
-    Off while the engine wakes and weights are pushed to it: vLLM's sleep mode refuses expandable
-    segments, and the push hands CUDA IPC handles of its tensors to the engine's process. New blocks
-    follow the setting; `release_cached_memory` returns the others after each update."""
-    torch.cuda.memory._set_allocator_settings(f"expandable_segments:{on}")
-
-
 def shared_gpu_error(error: Exception) -> Exception:
     """vLLM's sleep checks that the GPU's free memory grew; another process allocating on the same
     GPU at that moment fails the check, and vLLM's message does not say so."""
@@ -128,19 +77,6 @@ def shared_gpu_error(error: Exception) -> Exception:
         "run a GPU of its own (CUDA_VISIBLE_DEVICES), or set actor_rollout_ref.rollout.enable_sleep=false (the "
         "engine then keeps its memory while the actor trains: lower actor_rollout_ref.rollout."
         "gpu_memory_utilization to make room)")
-
-
-def agent_loop_settings(cfg: TrainerConfig, device: str) -> AgentLoopSettings:
-    """The agent loop's settings, for the workers and the driver's preflight. Its options are checked
-    against the options dataclass of its class: with rollout.multi_turn.enable, verl's multi_turn
-    keys (the tool-calling loop's); in any case rollout.agent_kwargs, over them."""
-    rollout = cfg.actor_rollout_ref.rollout
-    given = dataclasses.asdict(rollout.multi_turn) if rollout.multi_turn.enable else {}
-    options = build_options(load_agent_loop(agent_loop_spec(cfg)), given | dict(rollout.agent_kwargs or {}),
-                            "actor_rollout_ref.rollout.agent_kwargs")
-    return AgentLoopSettings(max_tokens_per_turn=cfg.data.max_response_length, max_obs_length=cfg.data.max_obs_length,
-                             schedule=agent_schedule(rollout, device), admit_every_steps=rollout.admit_every_steps,
-                             options=options, chat_template_kwargs=dict(cfg.data.apply_chat_template_kwargs or {}))
 
 
 def rollout_logprobs_BR(trajectories, width: int, loop_cls) -> torch.Tensor:
@@ -155,19 +91,6 @@ def rollout_logprobs_BR(trajectories, width: int, loop_cls) -> torch.Tensor:
                                "on, or set actor_rollout_ref.rollout.calculate_log_probs=false")
         out_BR[i, :len(values)] = torch.tensor(values, dtype=torch.float32)
     return out_BR
-
-
-class ProfiledWorker:
-    """What the driver calls around a step of trainer.profile_steps (verl.utils.profiling)."""
-    profiler = None
-
-    def start_profile(self) -> None:
-        from verl.utils.profiling import StepProfiler
-        self.profiler = StepProfiler()
-        self.profiler.start()
-
-    def stop_profile(self, path_prefix: str) -> list[str]:
-        return self.profiler.stop(path_prefix)
 
 
 class PolicyWorker(ProfiledWorker):
@@ -196,11 +119,10 @@ class PolicyWorker(ProfiledWorker):
     def setup(self, master_addr: str, master_port: int) -> None:
         from verl.workers.actor import Actor, Reference
         from verl.workers.rollout.engines import create_engine
-        from verl.workers.rollout.agent_loop import load_agent_loop
 
         cfg, arr = self.cfg, self.cfg.actor_rollout_ref
         torch.manual_seed(cfg.trainer.seed + self.rank)
-        _init_process_group(self.rank, self.sizes.world, master_addr, master_port, self.device)
+        join_process_group(self.rank, self.sizes.world, master_addr, master_port, self.device)
         path = arr.model.path
         rollout = arr.rollout
         agent_cls, settings = load_agent_loop(agent_loop_spec(cfg)), agent_loop_settings(cfg, self.device)
@@ -377,12 +299,12 @@ class PolicyWorker(ProfiledWorker):
     # -- checkpoints ---------------------------------------------------------------------------
 
     def save(self, root: str, step: int, trainer_state: dict, keep_last: int) -> None:
-        from verl.trainer.checkpoint import save_checkpoint
+        from verl.checkpoint.store import save_checkpoint
         save_checkpoint(root, step, {"actor": (self.actor.model, self.actor.optimizer, self.actor.scheduler)},
                         trainer_state, keep_last)
 
     def load(self, root: str, step: int) -> dict:
-        from verl.trainer.checkpoint import load_checkpoint
+        from verl.checkpoint.store import load_checkpoint
         state = load_checkpoint(root, step, {"actor": (self.actor.model, self.actor.optimizer, self.actor.scheduler)},
                                 self.cfg.trainer.allow_unverified_checkpoint)
         self.sync_weights()
@@ -390,59 +312,3 @@ class PolicyWorker(ProfiledWorker):
 
     def set_lr_scale(self, scale: float) -> None:
         self.actor.set_lr_scale(scale)
-
-
-class CriticWorker(ProfiledWorker):
-    def __init__(self, rank: int, cfg: TrainerConfig, sizes: Sizes, total_steps: int, device: str):
-        self.rank, self.cfg, self.sizes, self.total_steps, self.device = rank, cfg, sizes, total_steps, device
-
-    def rendezvous(self) -> tuple[str, int]:
-        return rendezvous()
-
-    def setup(self, master_addr: str, master_port: int) -> None:
-        from verl.workers.critic import Critic
-        cfg = self.cfg
-        _init_process_group(self.rank, self.sizes.world, master_addr, master_port, self.device)
-        c = cfg.critic
-        c = dataclasses.replace(c, model=dataclasses.replace(c.model, path=c.model.path or
-                                                              cfg.actor_rollout_ref.model.path))
-        if self.device == "cuda":  # no engine in this process: expandable blocks throughout
-            expandable_segments(True)
-        self.critic = Critic(c, cfg.actor_rollout_ref.actor, micro_batch_size=self.sizes.critic_micro_trajectories_per_worker,
-                             total_steps=self.total_steps, seed=cfg.trainer.seed)
-        from verl.workers.rollout.agent_loop import load_agent_loop
-        agent_cls = load_agent_loop(agent_loop_spec(cfg))
-        settings = agent_loop_settings(cfg, self.device)
-        self.longest_row = cfg.data.max_prompt_length + agent_cls.max_response_tokens(settings)
-
-    def pending_bytes(self) -> float:
-        return self.critic.pending_bytes()
-
-    def plan_memory(self, others_pending: float) -> list[str]:
-        return self.critic.plan_memory(self.longest_row, others_pending)
-
-    @phase
-    def compute_values(self, batch: RolloutBatch) -> torch.Tensor:
-        return self.critic.compute_values(batch).cpu()
-
-    @phase
-    def update_critic(self, batch: RolloutBatch) -> dict:
-        metrics = self.critic.update(batch, self.sizes.mini_batch_trajectories_per_worker)
-        if self.device == "cuda":
-            metrics |= release_cached_memory()
-        return metrics
-
-    def save(self, root: str, step: int, trainer_state: dict, keep_last: int) -> None:
-        from verl.trainer.checkpoint import save_checkpoint
-        save_checkpoint(os.path.join(root, "critic"), step,
-                        {"critic": (self.critic.model, self.critic.optimizer, self.critic.scheduler)},
-                        trainer_state, keep_last)
-
-    def load(self, root: str, step: int) -> dict:
-        from verl.trainer.checkpoint import load_checkpoint
-        return load_checkpoint(os.path.join(root, "critic"), step,
-                               {"critic": (self.critic.model, self.critic.optimizer, self.critic.scheduler)},
-                               self.cfg.trainer.allow_unverified_checkpoint)
-
-    def set_lr_scale(self, scale: float) -> None:
-        self.critic.set_lr_scale(scale)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from verl.single_controller.roles import release_cached_memory
+from verl.workers.worker_process import release_cached_memory
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

@@ -19,8 +19,9 @@ import torch.multiprocessing as mp
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
-from verl.trainer.checkpoint import (export_hf, latest_step, load_checkpoint, main, save_checkpoint,
-                                     verify_checkpoint)
+from verl.checkpoint.export import export_hf, main
+from verl.checkpoint.manifest import verify_checkpoint
+from verl.checkpoint.store import latest_step, load_checkpoint, save_checkpoint
 
 
 # ---------------------------------------------------------------- code run in the spawned ranks

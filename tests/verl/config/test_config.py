@@ -5,7 +5,8 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from verl.trainer.config import ConfigError, load_config
+from verl.config.load import load_config
+from verl.config.schema import ConfigError
 
 CONFIG = Path(__file__).resolve().parents[3] / "configs" / "ppo_trainer.yaml"
 
@@ -81,9 +82,10 @@ def test_multi_turn_keys_select_the_tool_loop_and_refuse_what_it_does_not_read()
     agent's options (the original's retriever keys among them) are refused with it: the tool YAML
     holds the tool's settings; tool keys without enable are refused too."""
     from hydra import compose, initialize_config_dir
-    from verl.single_controller.roles import agent_loop_settings
-    from verl.trainer.config import TOOL_LOOP, agent_loop_spec, check_agent_keys
+    from verl.config.load import agent_loop_spec, check_agent_keys
+    from verl.config.schema import TOOL_LOOP
     from verl.trainer.main_ppo import accept_plus_on_existing_keys
+    from verl.workers.rollout.loop_from_config import agent_loop_settings
     base = ["data.train_files=t.parquet", "actor_rollout_ref.model.path=m"]
     on = ["actor_rollout_ref.rollout.multi_turn.enable=true",
           "actor_rollout_ref.rollout.multi_turn.tool_config_path=configs/tools/search.yaml"]
@@ -121,7 +123,7 @@ def test_the_importance_weight_cap_is_checked_at_start_up():
 
 
 def test_batch_sizes_that_do_not_split_are_refused_at_start_up_naming_the_keys():
-    from verl.trainer.config import derive_sizes
+    from verl.config.sizes import derive_sizes
     base = ["data.train_files=t.parquet", "actor_rollout_ref.model.path=m", "data.train_batch_size=160",
             "actor_rollout_ref.rollout.n_agent=1", "actor_rollout_ref.actor.ppo_mini_batch_size=160",
             "actor_rollout_ref.actor.ppo_micro_batch_size=32", "critic.ppo_micro_batch_size=64",

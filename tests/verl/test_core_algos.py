@@ -1,4 +1,4 @@
-"""Estimators and losses of verl.trainer.core_algos against naive per-token Python loops.
+"""Estimators and losses of verl.core_algos against naive per-token Python loops.
 
 Masks mimic search trajectories: model tokens, a retrieved observation (mask 0) in the middle,
 more model tokens, padding; plus edge rows (no model token, ending in an observation, all model).
@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from verl.trainer import core_algos as ca
+from verl import core_algos as ca
 
 B, R = 9, 24
 

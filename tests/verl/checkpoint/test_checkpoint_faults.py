@@ -26,10 +26,11 @@ import torch.multiprocessing as mp
 from ray.exceptions import RayTaskError
 from torch.distributed.checkpoint.api import CheckpointException
 
-import verl.trainer.checkpoint as checkpoint
 from test_checkpoint import _worker  # one gloo process of a test group
-from verl.trainer.checkpoint import latest_step, load_checkpoint, save_checkpoint
-from verl.trainer.config import TrainerConfig
+from verl.checkpoint.export import main as export_main
+from verl.checkpoint.manifest import CheckpointCorrupt, verify_checkpoint
+from verl.checkpoint.store import complete_steps, latest_step, load_checkpoint, save_checkpoint
+from verl.config.schema import TrainerConfig
 from verl.trainer.ppo_trainer import PPOTrainer
 from verl.utils.dataset import Example, PromptSampler
 from verl.utils.tracking import Tracker
@@ -94,7 +95,7 @@ def test_manifest_lists_every_file_with_its_checksum(tmp_path):
     for rel, entry in manifest["files"].items():
         data = (ckpt / rel).read_bytes()
         assert entry == {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}, rel
-    assert checkpoint.verify_checkpoint(ckpt) is True
+    assert verify_checkpoint(ckpt) is True
 
 
 def test_a_flipped_bit_is_refused_on_load_naming_the_file(tmp_path):
@@ -120,7 +121,7 @@ def test_dcp_errors_come_out_as_could_not_load(tmp_path):
     # A verified checkpoint that does not fit the model built now: a mismatch, not a damaged file.
     with pytest.raises(RuntimeError, match=r"(?s)Could not load 'actor'.*built exactly as when saving") as caught:
         load_checkpoint(tmp_path, 1, {"actor": (torch.nn.Linear(4, 3), None, None)})
-    assert not isinstance(caught.value, checkpoint.CheckpointCorrupt)
+    assert not isinstance(caught.value, CheckpointCorrupt)
 
 
 def test_a_checkpoint_without_manifest_is_refused_unless_asked(tmp_path):
@@ -130,7 +131,7 @@ def test_a_checkpoint_without_manifest_is_refused_unless_asked(tmp_path):
     (ckpt / "manifest.json").unlink()
     fresh = _build(seed=1)
     before = fresh[0].weight.detach().clone()
-    with pytest.raises(checkpoint.CheckpointCorrupt, match=r"manifest.json is missing.*"
+    with pytest.raises(CheckpointCorrupt, match=r"manifest.json is missing.*"
                                                            r"trainer.allow_unverified_checkpoint=true") as caught:
         load_checkpoint(tmp_path, 1, {"actor": fresh})
     assert caught.value.file == str(ckpt / "manifest.json")
@@ -145,14 +146,14 @@ def test_a_truncated_shard_is_corrupt_whether_verification_or_loading_finds_it(t
     save_checkpoint(tmp_path, 1, {"actor": _trained()}, {})
     ckpt = tmp_path / "global_step_1"
     shard = _truncate(next((ckpt / "actor" / "model").glob("*.distcp")))
-    with pytest.raises(checkpoint.CheckpointCorrupt, match=r"bytes where manifest.json recorded .* partial") as caught:
+    with pytest.raises(CheckpointCorrupt, match=r"bytes where manifest.json recorded .* partial") as caught:
         load_checkpoint(tmp_path, 1, {"actor": _build(seed=1)})
     assert caught.value.file == str(shard)
     # Without a manifest (allowed), DCP's read fails instead: a damaged file is as likely as a
     # mismatched model, so it is CheckpointCorrupt too, naming what was being read.
     (ckpt / "manifest.json").unlink()
     with pytest.warns(UserWarning, match="without verification"), \
-            pytest.raises(checkpoint.CheckpointCorrupt, match="could not be loaded.*damaged file") as caught:
+            pytest.raises(CheckpointCorrupt, match="could not be loaded.*damaged file") as caught:
         load_checkpoint(tmp_path, 1, {"actor": _build(seed=1)}, allow_unverified=True)
     assert caught.value.file == str(ckpt / "actor" / "model")
 
@@ -172,7 +173,7 @@ def test_a_non_finite_state_is_never_saved_and_the_last_good_one_stays(tmp_path,
         save_checkpoint(tmp_path, 2, {"actor": parts}, {}, keep_last=1)
     assert _listing(tmp_path) == ["global_step_1", "latest"]
     assert latest_step(tmp_path) == 1
-    assert checkpoint.verify_checkpoint(tmp_path / "global_step_1")
+    assert verify_checkpoint(tmp_path / "global_step_1")
 
 
 # ---------------------------------------------------------------- full disk (finding 8)
@@ -221,7 +222,7 @@ def test_a_disk_that_fills_up_while_saving_leaves_no_partial_directory(tmp_path,
         save_checkpoint(tmp_path, 2, {"actor": parts}, {}, keep_last=1)
     assert _listing(tmp_path) == ["global_step_1", "latest"]  # no global_step_2.tmp, step 1 kept
     assert latest_step(tmp_path) == 1
-    assert checkpoint.verify_checkpoint(tmp_path / "global_step_1")
+    assert verify_checkpoint(tmp_path / "global_step_1")
 
 
 # ---------------------------------------------------------------- the trainer (findings 6 and 7)
@@ -255,9 +256,14 @@ class _Group:
                                pid=1, ip="127.0.0.1").as_instanceof_cause() from None
 
 
+def unused_reward(data_source, response, ground_truth):
+    """The trainer loads a reward; these tests give each step's metrics (`_run`), so it is never called."""
+    return 0.0
+
+
 def _trainer(out_dir: Path, policy, critic=None, total_steps: int = 3) -> PPOTrainer:
     cfg = TrainerConfig()
-    cfg.reward.function = "rewards_for_tests:early_letter_reward"
+    cfg.reward.function = "test_checkpoint_faults:unused_reward"
     run = cfg.trainer
     run.default_local_dir, run.save_freq, run.test_freq, run.val_before_train = str(out_dir), 1, -1, False
     run.export_hf_on_save, run.keep_last_checkpoints = False, 2
@@ -300,7 +306,7 @@ def test_resume_falls_back_from_a_corrupted_checkpoint(tmp_path, caplog):
     shard = _flip_exponent_bit(root / "global_step_2")
     policy = _Group("actor", _build(seed=1))
     trainer = _trainer(tmp_path, policy)
-    with caplog.at_level(logging.WARNING, logger="verl.trainer.ppo_trainer"):
+    with caplog.at_level(logging.WARNING, logger="verl.trainer.resume"):
         trainer.resume()
     assert trainer.step == 1 and trainer.sampler.state() == {"epoch": 0, "position": 1}
     assert float(policy.parts[0].weight[0, 0].detach()) == pytest.approx(MARK)
@@ -312,7 +318,7 @@ def test_resume_falls_back_when_only_the_critic_is_corrupted(tmp_path, caplog):
     _two_saves(tmp_path, critic=True)
     shard = _flip_exponent_bit(tmp_path / "checkpoints" / "critic" / "global_step_2", "critic")
     trainer = _trainer(tmp_path, _Group("actor", _build(seed=1)), _Group("critic", _build(seed=3), subdir="critic"))
-    with caplog.at_level(logging.WARNING, logger="verl.trainer.ppo_trainer"):
+    with caplog.at_level(logging.WARNING, logger="verl.trainer.resume"):
         trainer.resume()
     assert trainer.step == 1
     assert str(shard) in caplog.text
@@ -338,7 +344,7 @@ def test_a_non_finite_step_stops_the_run_before_saving(tmp_path, monkeypatch, ba
     (name, value), = bad.items()
     with pytest.raises(RuntimeError, match=rf"step 2: {name}={value}.*newest checkpoint that verifies is step 1"):
         trainer.fit()
-    assert checkpoint.complete_steps(tmp_path / "checkpoints") == [1]
+    assert complete_steps(tmp_path / "checkpoints") == [1]
     assert _logged_steps(tmp_path) == [1, 2]  # the bad step's metrics are in the logs
 
 
@@ -384,7 +390,7 @@ def test_resume_falls_back_from_a_partial_checkpoint(tmp_path, caplog, damage):
     policy = _Group("actor", _build(seed=1), allow_unverified=allow)
     trainer = _trainer(tmp_path, policy)
     trainer.cfg.trainer.allow_unverified_checkpoint = allow
-    with caplog.at_level(logging.WARNING, logger="verl.trainer.ppo_trainer"), warnings.catch_warnings():
+    with caplog.at_level(logging.WARNING, logger="verl.trainer.resume"), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*without verification")
         trainer.resume()
     assert trainer.step == 1 and trainer.sampler.state() == {"epoch": 0, "position": 1}
@@ -404,7 +410,7 @@ def saved_model(tiny_model_dir, tmp_path):
 
 
 def _export(ckpt: Path, source: str, out: Path, *flags: str) -> None:
-    checkpoint.main(["export", "--checkpoint", str(ckpt), "--config-source", source, "--out", str(out), *flags])
+    export_main(["export", "--checkpoint", str(ckpt), "--config-source", source, "--out", str(out), *flags])
 
 
 def test_the_export_refuses_a_corrupted_checkpoint_naming_the_file(saved_model, tiny_model_dir, tmp_path, capsys):
@@ -461,7 +467,7 @@ def test_a_step_whose_save_fails_keeps_its_metrics_row(tmp_path, monkeypatch):
     monkeypatch.setattr(shutil, "disk_usage", _disk_with_free(lambda: 0 if full["now"] else 10**12))
     with pytest.raises(RayTaskError, match="no space left on"):
         _run(trainer, monkeypatch, [GOOD, disk_full_from_step_2])
-    assert checkpoint.complete_steps(tmp_path / "checkpoints") == [1]
+    assert complete_steps(tmp_path / "checkpoints") == [1]
     assert _logged_steps(tmp_path) == [1, 2]
 
 
@@ -506,7 +512,7 @@ def _ranks_agree(rank, root, results):
     dist.barrier()
     try:
         load_checkpoint(root, 1, models)
-    except checkpoint.CheckpointCorrupt as error:
+    except CheckpointCorrupt as error:
         outcomes["corrupt"] = str(error)
     outcomes["listing"] = sorted(os.listdir(root))
     Path(results, f"rank{rank}.json").write_text(json.dumps(outcomes))

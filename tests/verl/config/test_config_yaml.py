@@ -1,4 +1,4 @@
-"""configs/ppo_trainer.yaml is generated from the dataclasses of verl/trainer/config.py: the two must
+"""configs/ppo_trainer.yaml is generated from the dataclasses of verl/config/schema.py: the two must
 not drift apart (edit one without regenerating and these fail), every key has its help, and the YAML
 Hydra composes loads to exactly the dataclass defaults."""
 from __future__ import annotations
@@ -13,7 +13,9 @@ import yaml
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from verl.trainer.config import ConfigError, TrainerConfig, key, load_config, main, render_yaml
+from verl.config.load import load_config
+from verl.config.render import main, render_yaml
+from verl.config.schema import ConfigError, TrainerConfig, key
 
 ROOT = Path(__file__).resolve().parents[3]
 CONFIG = ROOT / "configs" / "ppo_trainer.yaml"
@@ -44,14 +46,14 @@ HELP = dict(fields_with_help(TrainerConfig()))
 
 def test_the_checked_in_yaml_is_the_generated_one():
     assert CONFIG.read_text(encoding="utf-8") == render_yaml(), (
-        "configs/ppo_trainer.yaml differs from verl/trainer/config.py: change the dataclasses, then run "
-        "python -m verl.trainer.config --write configs/ppo_trainer.yaml")
+        "configs/ppo_trainer.yaml differs from verl/config/schema.py: change the dataclasses, then run "
+        "python -m verl.config --write configs/ppo_trainer.yaml")
     header = CONFIG.read_text(encoding="utf-8").splitlines()[:3]
-    assert "GENERATED from verl/trainer/config.py" in header[0] and "do not edit by hand" in header[0]
+    assert "GENERATED from verl/config/schema.py" in header[0] and "do not edit by hand" in header[0]
 
 
 def test_the_generator_prints_writes_and_checks(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "verl.trainer.config"], cwd=ROOT, capture_output=True, text=True,
+    r = subprocess.run([sys.executable, "-m", "verl.config"], cwd=ROOT, capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout == render_yaml()

@@ -4,8 +4,9 @@ of memory is outside what a CPU test can do."""
 import pytest
 import torch
 
-from verl.single_controller.roles import PolicyWorker, agent_schedule, separate_engine_core, vllm_engine_kwargs
-from verl.trainer.config import RolloutConfig, TrainerConfig
+from verl.config.schema import RolloutConfig, TrainerConfig
+from verl.workers.policy_worker import PolicyWorker, separate_engine_core, vllm_engine_kwargs
+from verl.workers.rollout.loop_from_config import agent_schedule
 
 
 def test_auto_schedule_and_engine_core_follow_the_device():
@@ -174,7 +175,7 @@ def test_other_wake_errors_pass_through():
 
 
 def test_a_failed_sleep_on_a_shared_gpu_says_why_and_what_to_do():
-    from verl.single_controller.roles import shared_gpu_error
+    from verl.workers.policy_worker import shared_gpu_error
     # vLLM's message when another process allocated on the GPU while this engine went to sleep
     error = shared_gpu_error(Exception("Call to sleep method failed: Memory usage increased after sleeping."))
     assert isinstance(error, RuntimeError)
@@ -184,6 +185,6 @@ def test_a_failed_sleep_on_a_shared_gpu_says_why_and_what_to_do():
 
 
 def test_cached_memory_is_given_back_after_an_update():
-    from verl.single_controller.roles import release_cached_memory
-    # On the CPU there is nothing cached; the metric is still reported (GPU figures: test_roles_gpu.py).
+    from verl.workers.worker_process import release_cached_memory
+    # On the CPU there is nothing cached; the metric is still reported (GPU figures: test_worker_process_gpu.py).
     assert release_cached_memory() == {"memory/after_update_reserved_gib": 0.0}
