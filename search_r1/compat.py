@@ -40,4 +40,8 @@ ORIGINAL_SEARCH_R1 = CompatTable(
     },
     defaults={"actor_rollout_ref.rollout.agent_loop": SEARCH_LOOP,
               "reward.function": "search_r1.rewards:score_for"},
+    # train_grpo.sh with verl's multi_turn keys: its preset's search settings give way to the tool YAML
+    inactive_when="actor_rollout_ref.rollout.multi_turn.enable",
+    inactive_why="the tool-calling loop's search tool takes its server and top-k from "
+                 "multi_turn.tool_config_path",
 )

@@ -58,6 +58,24 @@ def test_names_given_are_kept_and_a_key_given_twice_must_agree():
     assert load("retriever.max_failure_rate=0.3").actor_rollout_ref.rollout.agent_loop is None
 
 
+def test_with_the_tool_protocol_the_search_keys_give_way_to_the_tool_yaml(caplog, tmp_path):
+    """train_grpo.sh with verl's multi_turn keys (docs/TRAINING.md): the preset's max_turns and
+    retriever.* are the tag agent's; the tool loop's search tool is configured by its YAML, so they
+    are dropped, said in the log, and select nothing; the trainer's failure limit still applies."""
+    tools = tmp_path / "tools.yaml"
+    tools.write_text("tools: []\n")
+    with caplog.at_level(logging.INFO):
+        cfg = load("max_turns=2", "retriever.url=http://h:8000/retrieve", "retriever.max_failure_rate=0.3",
+                   "actor_rollout_ref.rollout.multi_turn.enable=true",
+                   f"actor_rollout_ref.rollout.multi_turn.tool_config_path={tools}")
+    rollout = cfg.actor_rollout_ref.rollout
+    assert rollout.agent_loop is None and not rollout.agent_kwargs and rollout.max_tool_failure_rate == 0.3
+    assert "max_turns=2: a key of the original Search-R1, unused with actor_rollout_ref.rollout.multi_turn" \
+        ".enable=true" in caplog.text
+    assert "retriever.url=http://h:8000/retrieve: a key of the original Search-R1, unused" in caplog.text
+    assert agent_loop_settings(cfg, "cpu").options.tool_config_path == str(tools)
+
+
 def test_reranker_keys_are_accepted_and_unused_and_do_rerank_only_false(caplog):
     with caplog.at_level(logging.INFO):
         cfg = load("reranker.do_rerank=false", "reranker.url=http://10.0.0.1:6980/rerank", "reranker.topk=5")

@@ -61,6 +61,12 @@ class CompatTable:
     name: str                                              # whose keys, for the log and errors
     keys: dict[str, MovedKey | IgnoredKey | OneValueKey]   # dotted key -> what it becomes
     defaults: dict[str, Any] = field(default_factory=dict)  # dotted key -> value, where still null
+    # A dotted boolean key of the schema: where it is true, the run is another kind than the table's
+    # (e.g. the tool-calling protocol, whose tools are configured elsewhere), so the keys that would
+    # select the table's kind (MovedKey.selects) are dropped with `inactive_why` in the log, and
+    # `defaults` are not filled.
+    inactive_when: str | None = None
+    inactive_why: str = ""
 
     def sections(self) -> set[str]:
         """The top-level names the table's keys live under (`retriever` of `retriever.url`)."""
@@ -108,9 +114,13 @@ def apply_tables(config: dict, tables: list[CompatTable], schema: dict) -> list[
     notes = []
     for table in tables:
         given = [k for k in table.keys if _has(config, k)]
+        inactive = bool(table.inactive_when and _get(config, table.inactive_when))
         for dotted in given:
             what, value = table.keys[dotted], _pop(config, dotted)
-            if isinstance(what, MovedKey):
+            if inactive and isinstance(what, MovedKey) and what.selects:
+                notes.append(f"{dotted}={value}: a key of {table.name}, unused with {table.inactive_when}=true "
+                             f"({table.inactive_why})")
+            elif isinstance(what, MovedKey):
                 _move(config, dotted, value, what.target, _get(schema, what.target))
             elif isinstance(what, OneValueKey):
                 if value != what.accepted:
@@ -126,7 +136,8 @@ def apply_tables(config: dict, tables: list[CompatTable], schema: dict) -> list[
                 raise CompatError(f"{section}.{next(iter(left))}: not a key of {table.name} that is read here "
                                   f"(those under {section}: {', '.join(known)})" if isinstance(left, dict) else
                                   f"{section}: give its keys ({', '.join(known)})")
-        selecting = [k for k in given if isinstance(table.keys[k], MovedKey) and table.keys[k].selects]
+        selecting = [k for k in given if isinstance(table.keys[k], MovedKey) and table.keys[k].selects
+                     and not inactive]
         filled = [f"{k}={v}" for k, v in table.defaults.items() if selecting and _get(config, k) is None]
         for k, v in table.defaults.items():
             if selecting and _get(config, k) is None:
