@@ -73,6 +73,15 @@ class CompatTable:
         return {k.split(".", 1)[0] for k in self.keys}
 
 
+def unused_on_command_line(given: set[str], is_true, tables: list[CompatTable]) -> list[str]:
+    """Keys of `given` (the command line's) that a table drops because the run is another kind
+    (`inactive_when`, read with `is_true(dotted)`): typed by the user for this run, so they are
+    refused rather than dropped, one line each."""
+    return [f"{k}: a key of {t.name}, unused with {t.inactive_when}=true ({t.inactive_why}); drop it"
+            for t in tables if t.inactive_when and is_true(t.inactive_when)
+            for k in sorted(given) if isinstance(t.keys.get(k), MovedKey) and t.keys[k].selects]
+
+
 def compat_tables() -> list[CompatTable]:
     """The tables of the installed packages (entry points) and of VERL_COMPAT, each once."""
     specs = [ep.value for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)]

@@ -3,12 +3,13 @@ trainers read in through the compatibility tables (verl.config.compat), and the 
 express (ranges, keys of the original accepted with one value only, the agent loop's keys)."""
 from __future__ import annotations
 
+import functools
 import logging
 import math
 
 from omegaconf import OmegaConf
 
-from verl.config.compat import ENV_VAR, CompatError, apply_tables, compat_tables
+from verl.config.compat import ENV_VAR, CompatError, apply_tables, compat_tables, unused_on_command_line
 from verl.config.schema import (FILTER_METRICS, TOOL_LOOP, VLLM_ARGS_WITH_KEYS, ConfigError, HealthConfig,
                                  OverlongBufferConfig, TrainerConfig)
 
@@ -146,6 +147,12 @@ def check_agent_keys(cfg: TrainerConfig, overridden: set[str]) -> None:
         if not multi_turn.tool_config_path:
             raise ConfigError("actor_rollout_ref.rollout.multi_turn.enable=true needs "
                               "actor_rollout_ref.rollout.multi_turn.tool_config_path (e.g. configs/tools/search.yaml)")
+        # A preset's keys of another trainer step aside (dropped, logged); the same keys typed on the
+        # command line were meant for this run, and it would not read them.
+        unused = unused_on_command_line(overridden, lambda k: functools.reduce(getattr, k.split("."), cfg),
+                                        compat_tables())
+        if unused:
+            raise ConfigError(unused[0])
         return
     if multi_turn.tool_config_path or multi_turn.max_assistant_turns is not None:
         raise ConfigError("actor_rollout_ref.rollout.multi_turn.tool_config_path/max_assistant_turns set but "

@@ -79,8 +79,9 @@ def test_logit_bias_outside_the_vocabulary_stops_the_trainer(tiny_model_dir, tmp
 def test_multi_turn_keys_select_the_tool_loop_and_refuse_what_it_does_not_read():
     """verl's multi_turn keys: enable selects the tool-calling loop (a preset's agent loop named
     elsewhere gives way, one named on the command line clashes), needs a tool config, and the search
-    agent's options (the original's retriever keys among them) are refused with it: the tool YAML
-    holds the tool's settings; tool keys without enable are refused too."""
+    agent's options are refused with it, the original's search keys too where the command line gives
+    them (a preset's step aside): the tool YAML holds the tool's settings; tool keys without enable
+    are refused too."""
     from hydra import compose, initialize_config_dir
     from verl.config.load import agent_loop_spec, check_agent_keys
     from verl.config.schema import TOOL_LOOP
@@ -99,15 +100,19 @@ def test_multi_turn_keys_select_the_tool_loop_and_refuse_what_it_does_not_read()
     with initialize_config_dir(config_dir=str(CONFIG.parent), version_base=None):
         assert check(on) == TOOL_LOOP
         assert check(on + ["actor_rollout_ref.rollout.multi_turn.max_assistant_turns=3"]) == TOOL_LOOP
-        # train_grpo.sh's search agent and its options (max_turns, retriever.*) are the preset's: refused
-        # with the tool loop, naming the first option it does not take
+        # train_grpo.sh's search agent and its options (max_turns, retriever.*) are the preset's: they
+        # give way to the tool loop (docs/TRAINING.md runs train_grpo.sh so)
+        assert check(on, "search_r1_grpo") == TOOL_LOOP
+        # a search-loop option given to the tool loop is refused, naming it
         with pytest.raises(ConfigError, match=r"agent_kwargs.max_turns: the agent loop .*ToolAgentLoop has no such"):
-            check(on, "search_r1_grpo")
+            check(on + ["actor_rollout_ref.rollout.agent_kwargs={max_turns: 2}"])
         with pytest.raises(ConfigError, match="drop one of the two"):
             check(on + ["actor_rollout_ref.rollout.agent_loop=search_r1.agent.loop:SearchAgentLoop"])
         with pytest.raises(ConfigError, match="needs actor_rollout_ref.rollout.multi_turn.tool_config_path"):
             check(on[:1])
-        with pytest.raises(ConfigError, match=r"agent_kwargs.retriever: the agent loop .*ToolAgentLoop has no such"):
+        # the original's keys typed on the command line were meant for this run: refused, not dropped
+        with pytest.raises(ConfigError, match=r"retriever.url: a key of the original Search-R1, unused with "
+                                              r"actor_rollout_ref.rollout.multi_turn.enable=true"):
             check(on + ["retriever.url=http://x:1/retrieve"])
         assert check(on + ["retriever.max_failure_rate=0.5"]) == TOOL_LOOP   # the trainer's own check
         with pytest.raises(ConfigError, match="multi_turn.enable=false"):
