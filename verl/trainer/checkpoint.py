@@ -1,3 +1,6 @@
-# Kept so that scripts running `python -m verl.trainer.checkpoint export` still work.
-from verl.checkpoint.export import main  # the command is now `python -m verl.checkpoint`
-if __name__ == "__main__": main()
+"""`python -m verl.trainer.checkpoint export …`, the command's earlier name, kept for users' scripts;
+the command is now `python -m verl.checkpoint export …`."""
+from verl.checkpoint.export import main
+
+if __name__ == "__main__":
+    main()
