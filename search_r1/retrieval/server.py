@@ -277,11 +277,17 @@ class Batcher:
     def abandon(self, jobs: list[Job]) -> None:
         """The handler gave up on these jobs (its client went away, or the request is answered
         already): those still queued leave `pending` now, and no stage works on any of them."""
+        self._give_up(jobs)
+
+    def _give_up(self, jobs: list[Job], settle_taken: list[Job] = ()) -> None:
+        """Marks `jobs` abandoned; each one not settled yet that no stage has taken (or that is in
+        `settle_taken`) is settled and leaves `pending`, counted as expired."""
+        taken_ok = {id(job) for job in settle_taken}
         with self.lock:
             dropped = 0
             for job in jobs:
                 job.abandoned = True
-                if not job.taken and not job.settled:
+                if (id(job) in taken_ok or not job.taken) and not job.settled:
                     job.settled = True
                     dropped += len(job.queries)
             self.pending -= dropped
@@ -330,19 +336,7 @@ class Batcher:
     def _drop(self, jobs: list[Job]) -> None:
         """Answers the jobs 504 unsearched, and marks the other jobs of their requests abandoned:
         the request is answered 504 now, so nobody reads what they would find."""
-        with self.lock:
-            dropped = 0
-            for job in jobs:
-                for other in job.request or [job]:
-                    other.abandoned = True
-                    if (other is job or not other.taken) and not other.settled:
-                        other.settled = True
-                        dropped += len(other.queries)
-            self.pending -= dropped
-            if not self.pending:
-                self._last_done = None
-            self.metrics.pending.set(self.pending)
-        self.metrics.expired.inc(dropped)
+        self._give_up([other for job in jobs for other in job.request or [job]], settle_taken=jobs)
         for job in jobs:
             self._resolve(job, exc=Expired())
 

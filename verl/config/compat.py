@@ -164,22 +164,26 @@ def _move(config: dict, dotted: str, value: Any, target: str, default: Any) -> N
     _set(config, target, value)
 
 
-def _has(config: dict, dotted: str) -> bool:
+_MISSING = object()
+
+
+def _lookup(config: dict, dotted: str) -> Any:
+    """The value at `dotted`, or _MISSING where a part of the path is absent."""
     node = config
     for part in dotted.split("."):
         if not isinstance(node, dict) or part not in node:
-            return False
+            return _MISSING
         node = node[part]
-    return True
+    return node
+
+
+def _has(config: dict, dotted: str) -> bool:
+    return _lookup(config, dotted) is not _MISSING
 
 
 def _get(config: dict, dotted: str) -> Any:
-    node = config
-    for part in dotted.split("."):
-        if not isinstance(node, dict) or part not in node:
-            return None
-        node = node[part]
-    return node
+    value = _lookup(config, dotted)
+    return None if value is _MISSING else value
 
 
 def _pop(config: dict, dotted: str) -> Any:
