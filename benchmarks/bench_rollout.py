@@ -185,7 +185,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     if a.quick:
-        a.shape, a.trajectories, a.hf_trajectories, a.max_turns = "tiny", "4,8", "4", 2
+        a.shape, a.trajectories, a.hf_trajectories, a.max_turns = "tiny", "4", "4", 2
         a.response_tokens, a.max_obs_length = 48, 128
         from conftest import vllm_skip_reason
         a.engine = a.engine or ("hf" if vllm_skip_reason() else "both")

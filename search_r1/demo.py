@@ -68,7 +68,9 @@ class Preset:
     response_length: int          # tokens the model may write per turn
     grpo_minutes: float | None = None  # trainer.time_limit_minutes: may end GRPO before grpo_steps
     val_questions: int = 0        # first test questions validated during GRPO (0: eval_questions)
-    test_freq: int = -1           # validate every N steps (and after the last); -1: before training only
+    # validate before training, every N steps and after the last; -1: never, since the evaluations
+    # before and after GRPO already measure the same questions with the same settings
+    test_freq: int = -1
     micro_batch: int = 4          # trajectories per forward/backward in SFT and GRPO
     ram_gb: int = 16              # memory the largest stage may take, said up front
     disk_gb: int = 4              # what the run writes: model copies, index, checkpoint
@@ -341,7 +343,7 @@ def grpo_overrides(size: Preset, train: Path, test: Path, model: Path, url: str,
             f"trainer.time_limit_minutes={size.grpo_minutes if size.grpo_minutes else 'null'}",
             # the last step (planned or cut by the time limit) is saved and exported to hf_actor
             f"trainer.save_freq={size.grpo_steps}", f"trainer.test_freq={size.test_freq}",
-            "trainer.val_before_train=true", "trainer.single_process=true",
+            f"trainer.val_before_train={str(size.test_freq > 0).lower()}", "trainer.single_process=true",
             "trainer.logger=[console,jsonl]", f"trainer.default_local_dir={run_dir}",
             "trainer.project_name=search_r1_demo", "trainer.experiment_name=demo-smollm2-135m-grpo",
             *size.grpo_keys, f"hydra.run.dir={run_dir / 'hydra'}"]
@@ -377,16 +379,21 @@ def learning_curve(run_dir: Path) -> list[dict]:
 
 
 def print_curve(curve: list[dict], stages: list[dict], val_questions: int):
+    if curve:
+        _print_validations(curve, val_questions)
+    print(f"\nEM on {stages[0]['questions']} test questions (± one standard error):")
+    for s in stages:
+        print(f"  {s['stage']:<16} {s['em']:.3f} ± {math.sqrt(s['em'] * (1 - s['em']) / s['questions']):.3f}"
+              f"   {s['answer_rate']:.0%} answered, {s['searches']:.2f} searches a question")
+
+
+def _print_validations(curve: list[dict], val_questions: int):
     print(f"\nGRPO learning curve (greedy EM on the first {val_questions} test questions; "
           "train EM: sampled, mean since the previous row)")
     print(f"{'step':>6} {'min':>6} {'val EM':>8} {'train EM':>9}")
     for c in curve:
         train = f"{c['train_em']:.3f}" if c["train_em"] is not None else "-"
         print(f"{c['step']:>6} {c['minutes']:>6.1f} {c['val_em']:>8.3f} {train:>9}")
-    print(f"\nEM on {stages[0]['questions']} test questions (± one standard error):")
-    for s in stages:
-        print(f"  {s['stage']:<16} {s['em']:.3f} ± {math.sqrt(s['em'] * (1 - s['em']) / s['questions']):.3f}"
-              f"   {s['answer_rate']:.0%} answered, {s['searches']:.2f} searches a question")
 
 
 def _interrupt(signum, frame):

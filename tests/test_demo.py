@@ -62,6 +62,11 @@ def test_presets_parse_and_small_is_an_alias():
     keys = dict(o.split("=", 1) for o in grpo_overrides(gpu, Path("tr"), Path("te"), Path("m"), "u", Path("r")))
     assert keys["trainer.time_limit_minutes"] == "10" and keys["data.val_data_num"] == "100"
     assert keys["trainer.test_freq"] == "10" and keys["trainer.single_process"] == "true"
+    assert keys["trainer.val_before_train"] == "true"
+    # the CPU presets validate nothing in GRPO: the evaluation after SFT measured the same questions
+    cpu_keys = dict(o.split("=", 1) for o in grpo_overrides(PRESETS["cpu"], Path("tr"), Path("te"), Path("m"), "u",
+                                                           Path("r")))
+    assert cpu_keys["trainer.val_before_train"] == "false" and cpu_keys["trainer.test_freq"] == "-1"
     assert keys["data.max_response_length"] == str(gpu.response_length)
     assert int(keys["data.train_batch_size"]) * int(keys["actor_rollout_ref.rollout.n_agent"]) == 160
     for name, preset in PRESETS.items():  # the trainer's own start-up checks accept every preset

@@ -174,7 +174,7 @@ def test_rollout_with_two_engines_sharing_the_device(tmp_path):
         pytest.skip(reason)
     out = tmp_path / "out.jsonl"
     args = [sys.executable, str(ROOT / "benchmarks" / "bench_rollout.py"), "--quick", "--engine", "vllm",
-            "--schedules", "continuous", "--engine-core", "separate", "--engines", "2", "--trajectories", "8",
+            "--schedules", "continuous", "--engine-core", "separate", "--engines", "2", "--trajectories", "4",
             "--vllm-arg", "max_num_seqs=2", "--out", str(out), "--workdir", str(tmp_path / "work")]
     r = subprocess.run(args, capture_output=True, text=True, timeout=300, cwd=ROOT,
                        env={**os.environ, "PYTHONPATH": str(ROOT)})

@@ -1,8 +1,8 @@
 """End to end through the real entry point on CPU: a tiny random Llama with a real tokenizer,
 the vLLM CPU engine colocated with the FSDP2 actor in 2 Ray worker processes, the search agent
 against a real BM25 retrieval server over the bundled corpus. Two GRPO steps with a checkpoint
-each, a resumed run that continues from the saved step with the same data order, and one PPO
-step with a critic."""
+each, one PPO step with a critic, and on the HF engine in one process: a resumed run that
+continues from the saved step with the same data order and samples, DAPO's keys."""
 import gzip
 import json
 import os
@@ -71,8 +71,7 @@ def grpo_args(model, data, server):
 
 @pytest.fixture(scope="module")
 def grpo_two_steps(tiny_model_dir, bundled_data, bm25_server, tmp_path_factory):
-    """Two GRPO steps with a checkpoint each: (its directory, metric rows, log). The resume test
-    continues in the same directory."""
+    """Two GRPO steps with a checkpoint each: (its directory, metric rows, log)."""
     if reason := vllm_skip_reason():
         pytest.skip(reason)
     out = tmp_path_factory.mktemp("grpo")
@@ -119,25 +118,6 @@ def test_grpo_two_steps(grpo_two_steps):
     tok = AutoTokenizer.from_pretrained(out / "hf_actor")
     samples = [json.loads(line) for path in (out / "samples").glob("*.jsonl") for line in path.read_text().splitlines()]
     assert samples and all(s["response"] == tok.decode(s["response_ids"], skip_special_tokens=True) for s in samples)
-
-
-def test_grpo_resume_continues_with_the_same_data_order(grpo_two_steps, tiny_model_dir, bundled_data, bm25_server):
-    # resume: a longer run continues at step 3 with the order an uninterrupted run would have. Its
-    # time limit (0.06 s) is spent by then, so step 3 of 5 is the last: validated (test_freq is 10) and saved
-    out, _, _ = grpo_two_steps
-    grpo = grpo_args(tiny_model_dir, bundled_data, bm25_server)
-    rows, _ = train(grpo + ["trainer.total_training_steps=5", "trainer.time_limit_minutes=0.001",
-                         "trainer.test_freq=10", "trainer.val_before_train=false"], out)
-    assert [r["step"] for r in rows if r["step"] > 0][-1] == 3 and "val/reward/em" in rows[-1]
-    assert (out / "checkpoints" / "global_step_3").is_dir()
-    order = [json.loads(l) for l in (out / "data_order.jsonl").read_text().splitlines()]
-    assert [o["step"] for o in order] == [1, 2, 3]
-    from transformers import AutoTokenizer
-    from verl.utils.dataset import PromptSampler, load_examples
-    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
-    sampler = PromptSampler(load_examples(str(bundled_data / "train.parquet"), tok, 512, True, 16), 2, True, 1)
-    expected = [[e.index for e in sampler.next_batch()] for _ in range(3)]
-    assert [o["indices"] for o in order] == expected
 
 
 def test_ppo_with_critic_warmup(tiny_model_dir, bundled_data, bm25_server, tmp_path):
@@ -199,21 +179,35 @@ def test_grpo_with_the_hf_rollout_engine(tiny_model_dir, bundled_data, bm25_serv
     assert all("timing_s/old_log_probs" not in r for r in rows)
 
 
-def test_a_resumed_step_samples_what_the_uninterrupted_run_sampled(tiny_model_dir, bundled_data, bm25_server,
-                                                                    tmp_path):
-    """Sampling is seeded per step, trajectory and turn (transformers honours the seeds; vLLM on CPU
-    cannot): step 2 after a resume generates the tokens that step 2 of an uninterrupted run did."""
+def test_a_resumed_run_continues_the_data_order_and_samples_what_the_uninterrupted_run_sampled(
+        tiny_model_dir, bundled_data, bm25_server, tmp_path):
+    """A run of 1 step, then a longer one in the same directory: it resumes at step 2 with the data
+    order an uninterrupted run has, and (sampling seeded per step, trajectory and turn: transformers
+    honours the seeds, vLLM on CPU cannot) generates the tokens that step 2 of an uninterrupted run
+    did. Its time limit (0.06 s) is spent by then, so step 2 of 5 is the last: validated (test_freq
+    is 10) and saved. (Exact resume of sharded weights at world size 2: tests/verl/checkpoint.)"""
     args = common(tiny_model_dir, bundled_data, bm25_server) + [
         "algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.name=hf", "trainer.single_process=true",
         "trainer.n_gpus_per_node=1", "trainer.val_before_train=false", "trainer.save_freq=1",
         "trainer.export_hf_on_save=false"]
     straight, _ = train(args + ["trainer.total_training_steps=2"], tmp_path / "straight")
-    train(args + ["trainer.total_training_steps=1"], tmp_path / "resumed")
-    resumed, _ = train(args + ["trainer.total_training_steps=2"], tmp_path / "resumed")
+    out = tmp_path / "resumed"
+    train(args + ["trainer.total_training_steps=1"], out)
+    resumed, _ = train(args + ["trainer.total_training_steps=5", "trainer.time_limit_minutes=0.001",
+                               "trainer.test_freq=10"], out)
+    assert [r["step"] for r in resumed] == [1, 2] and "val/reward/em" in resumed[-1]   # step 1: the first run's
+    assert (out / "checkpoints" / "global_step_2").is_dir()
     keys = ["response/length", "response/model_tokens", "agent/searches", "reward/mean"]
     assert [resumed[-1][k] for k in keys] == [straight[-1][k] for k in keys]
     assert straight[0]["response/length"] != straight[1]["response/length"] or \
         straight[0]["reward/mean"] != straight[1]["reward/mean"]  # the steps sampled differently
+    order = [json.loads(line) for line in (out / "data_order.jsonl").read_text().splitlines()]
+    assert [o["step"] for o in order] == [1, 2]
+    from transformers import AutoTokenizer
+    from verl.utils.dataset import PromptSampler, load_examples
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    sampler = PromptSampler(load_examples(str(bundled_data / "train.parquet"), tok, 512, True, 16), 2, True, 1)
+    assert [o["indices"] for o in order] == [[e.index for e in sampler.next_batch()] for _ in range(2)]
 
 
 def test_grpo_with_dapos_filter_groups_and_overlong_buffer(tiny_model_dir, bundled_data, bm25_server, tmp_path):
