@@ -40,11 +40,32 @@ def bundled_smollm2_gguf() -> tuple[str, str]:
 
 
 def load_smollm2_tokenizer():
-    """SmolLM2's tokenizer (with chat template) read from the bundled GGUF file."""
+    """SmolLM2's tokenizer (with chat template) read from the bundled GGUF file. Reading it from the
+    GGUF file takes seconds (the whole vocabulary is rebuilt); the first read saves it in the user's
+    cache directory, where later reads find it (a cache that cannot be written is skipped)."""
+    import transformers
     from transformers import AutoTokenizer
 
     directory, gguf_file = bundled_smollm2_gguf()
-    return AutoTokenizer.from_pretrained(directory, gguf_file=gguf_file)
+    stat = os.stat(os.path.join(directory, gguf_file))
+    key = hashlib.sha256(f"{stat.st_size}:{stat.st_mtime_ns}:{transformers.__version__}".encode()).hexdigest()[:16]
+    cached = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "search_r1" / f"smollm2_tokenizer_{key}"
+    if (cached / _MADE_WITH).is_file():
+        return AutoTokenizer.from_pretrained(cached)
+    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=gguf_file)
+    tmp = None
+    try:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=cached.parent))
+        tokenizer.save_pretrained(tmp)
+        (tmp / _MADE_WITH).write_text(gguf_file)   # written last: a save cut short is not taken for a cache
+        shutil.rmtree(cached, ignore_errors=True)  # such a save, left behind
+        os.replace(tmp, cached)
+    except OSError as error:   # read-only home, another process published it first: no cache this time
+        logger.debug("SmolLM2 tokenizer not cached at %s: %s", cached, error)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return tokenizer
 
 
 def _is_model_dir(path: Path) -> bool:

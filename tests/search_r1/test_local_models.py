@@ -93,3 +93,19 @@ def test_smollm2_answers_alike_in_transformers_and_vllm(smollm2):
     stopped = engine.generate([prompt], sampling, stop=["Paris"])[0]
     assert stopped == Generation(answer.token_ids[:len(stopped.token_ids)], "stop", "Paris")
     assert tok.decode(stopped.token_ids).endswith("Paris")
+
+
+@pytest.mark.e2e  # reads the tokenizer from the GGUF file once more (seconds)
+def test_the_smollm2_tokenizer_is_read_from_the_gguf_file_once_then_from_the_cache(tmp_path, monkeypatch):
+    from search_r1.local_models import load_smollm2_tokenizer
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    first = load_smollm2_tokenizer()
+    (cached,) = (tmp_path / "search_r1").iterdir()
+    assert (cached / "made_with.json").is_file() and cached.name.startswith("smollm2_tokenizer_")
+    again = load_smollm2_tokenizer()   # from the cache: the tokenizer the GGUF file holds
+    assert again.get_vocab() == first.get_vocab() and again.chat_template == first.chat_template
+    assert (again.eos_token, again.pad_token) == (first.eos_token, first.pad_token)
+    (cached / "made_with.json").unlink()    # a save cut short: not taken for a cache, written anew
+    (cached / "tokenizer.json").write_text("{")
+    assert load_smollm2_tokenizer().get_vocab() == first.get_vocab()
+    assert (cached / "made_with.json").is_file() and AutoTokenizer.from_pretrained(cached).get_vocab() == first.get_vocab()
