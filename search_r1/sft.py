@@ -308,7 +308,8 @@ def masked_nll(model, examples: list[Example], pad_id: int, device="cpu") -> tup
     from verl.workers.packing import TOKENS_PER_PACK, forward_packed, tokens_per_pack
     batch = _pack(examples, pad_id).to(device)
     logprobs_BR, _ = forward_packed(model, batch.input_ids_BT, batch.attention_mask_BT, batch.prompt_width,
-                                    max_tokens_per_pack=tokens_per_pack(TOKENS_PER_PACK, batch.input_ids_BT.device))
+                                    max_tokens_per_pack=tokens_per_pack(TOKENS_PER_PACK, batch.input_ids_BT.device),
+                                    loss_mask_BR=batch.loss_mask_BR)
     return -(logprobs_BR * batch.loss_mask_BR).sum(), int(batch.loss_mask_BR.sum().item())
 
 

@@ -50,9 +50,10 @@ def _load_policy_model(model: ModelConfig, gradient_checkpointing: float, param_
 @torch.no_grad()
 def _logprobs_in_micro_batches(model, batch: RolloutBatch, micro_batch_size: int, max_tokens: int | None,
                                temperature: float, max_tokens_per_pack: int, compute_entropy: bool,
-                               mixed_precision: bool):
+                               mixed_precision: bool, state_masking: bool):
     """Log-probs (and entropies) of the batch's response tokens, by micro-batches of `max_tokens`
-    tokens (or `micro_batch_size` trajectories when None); rows come back in the batch's order."""
+    tokens (or `micro_batch_size` trajectories when None); rows come back in the batch's order.
+    `state_masking`: only the model's own tokens are scored (0 on observations), as the loss reads them."""
     model.eval()
     device = compute_device()
     B, R = len(batch), batch.input_ids_BT.shape[1] - batch.prompt_width
@@ -63,7 +64,8 @@ def _logprobs_in_micro_batches(model, batch: RolloutBatch, micro_batch_size: int
         with mixed_precision_context(dist.is_initialized(), mixed_precision):
             logprobs_bR, entropy_bR = forward_packed(
                 model, micro.input_ids_BT, micro.attention_mask_BT, micro.prompt_width, temperature,
-                compute_entropy=compute_entropy, max_tokens_per_pack=max_tokens_per_pack)
+                compute_entropy=compute_entropy, max_tokens_per_pack=max_tokens_per_pack,
+                loss_mask_BR=micro.loss_mask_BR if state_masking else None)
         logprobs_BR[rows] = logprobs_bR.cpu()
         if compute_entropy:
             entropy_BR[rows] = entropy_bR.cpu()
@@ -117,7 +119,8 @@ class Actor(TrainedModel):
     def compute_logprobs_and_entropy(self, batch: RolloutBatch, entropy: bool = True):
         plan_before_first_pass(self, batch)
         return _logprobs_in_micro_batches(self.model, batch, self.micro_batch_size, self.budgets.forward,
-                                          self.temperature, self.max_tokens_per_pack, entropy, self.mixed_precision)
+                                          self.temperature, self.max_tokens_per_pack, entropy, self.mixed_precision,
+                                          self.state_masking)
 
     def _probe_update(self, tokens: int) -> None:
         """One forward/backward of `tokens` synthetic tokens, as the update runs them (memory plan)."""
@@ -157,7 +160,7 @@ class Actor(TrainedModel):
                 logprobs_BR, entropy_BR = forward_packed(
                     self.model, micro.input_ids_BT, micro.attention_mask_BT, micro.prompt_width, self.temperature,
                     compute_entropy=True, max_tokens_per_pack=self.max_tokens_per_pack,
-                    entropy_grad=cfg.entropy_coeff != 0)
+                    entropy_grad=cfg.entropy_coeff != 0, loss_mask_BR=mask_BR)
             old_BR = logprobs_BR.detach() if micro.old_logprobs_BR is None else micro.old_logprobs_BR
             weights_BR, is_stats = None, {}
             if micro.rollout_logprobs_BR is not None:  # rollout.calculate_log_probs: the engine's own
@@ -196,8 +199,9 @@ class Reference:
 
     def __init__(self, model: ModelConfig, *, param_offload: bool = False, mixed_precision: bool = True,
                  micro_batch_size: int = 4, max_tokens_per_pack: int = 16384, temperature: float = 1.0,
-                 budget: tuple[bool, int | None] = (False, None)):
-        """`budget`: (use_dynamic_bsz, max tokens) of its forwards (ref.log_prob_* keys)."""
+                 budget: tuple[bool, int | None] = (False, None), state_masking: bool = True):
+        """`budget`: (use_dynamic_bsz, max tokens) of its forwards (ref.log_prob_* keys); `state_masking`:
+        the actor's (only the model's own tokens are scored)."""
         device = compute_device()
         self.mixed_precision = mixed_precision and device.type == "cuda"
         self.model = _load_policy_model(model, 0.0, param_offload, self.mixed_precision, device)
@@ -205,6 +209,7 @@ class Reference:
         self.micro_batch_size = micro_batch_size
         self.max_tokens_per_pack = tokens_per_pack(max_tokens_per_pack, device)
         self.temperature = temperature
+        self.state_masking = state_masking
         self.budgets = TokenBudgets.from_config((False, None), budget, False, device, {
             "forward": "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu"})
 
@@ -227,4 +232,5 @@ class Reference:
         """ref_logprobs_BR (fp32, CPU, 0 on padding)."""
         plan_before_first_pass(self, batch)
         return _logprobs_in_micro_batches(self.model, batch, self.micro_batch_size, self.budgets.forward,
-                                          self.temperature, self.max_tokens_per_pack, False, self.mixed_precision)[0]
+                                          self.temperature, self.max_tokens_per_pack, False, self.mixed_precision,
+                                          self.state_masking)[0]

@@ -28,6 +28,9 @@ Logits only where needed: the model is called through its root `forward` (FSDP2 
 parameters — embeddings, final norm, lm_head — only in the root's forward hook, so calling
 `model.model` and `model.lm_head` separately would meet sharded weights) with `logits_to_keep` set to
 the positions that predict response tokens, so lm_head runs on those rows of the hidden states only.
+Given the loss mask, only on the rows that predict a model-written token: an observation (retrieved
+passages, most of a search trajectory's response) is read by the model but never scored, so its
+vocabulary-wide logits would be computed and softmaxed for nothing; its log-prob comes back as 0.
 Their log-probs and entropy come from `core_algos.logprobs_and_entropy`, which works through the
 vocabulary-wide logits in chunks and keeps only the bf16 logits for backward.
 For a value model we own the wrapper (`ValueModel`) and it does the same with its value head.
@@ -93,10 +96,13 @@ def _response_positions(attention_mask_BT: torch.Tensor, prompt_width: int):
     return real_BT, target_BR
 
 
-def _packed_outputs(model, input_ids_BT, attention_mask_BT, prompt_width, max_tokens_per_pack):
+def _packed_outputs(model, input_ids_BT, attention_mask_BT, prompt_width, max_tokens_per_pack, needed_BR=None):
     """For each pack: (row range, target_bR, out_N...) where out holds the model's output (logits or
-    values) at the N positions that predict the pack's response tokens, in row-major order."""
+    values) at the N positions that predict the pack's response tokens (those of `needed_BR` where
+    given), in row-major order."""
     real_BT, target_BR = _response_positions(attention_mask_BT, prompt_width)
+    if needed_BR is not None:
+        target_BR = target_BR & needed_BR.bool()
     P = prompt_width
     attn = getattr(model.config, "_attn_implementation", "sdpa")
     flash = attn in ("flash_attention_2", VARLEN_ATTN)  # no mask: one pack, any length
@@ -146,16 +152,19 @@ def _scatter_rows(values_N: torch.Tensor, target_bR: torch.Tensor) -> torch.Tens
 
 def forward_packed(model, input_ids_BT, attention_mask_BT, prompt_width: int, temperature: float = 1.0,
                    compute_entropy: bool = False, max_tokens_per_pack: int | None = TOKENS_PER_PACK,
-                   entropy_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+                   entropy_grad: bool = True, loss_mask_BR: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (and entropies) of the response tokens, padding removed (see module docstring).
 
-    Returns logprobs_BR (fp32, 0 where the response is padding) and entropy_BR or None. Gradients
+    Returns logprobs_BR (fp32, 0 where the response is padding, or where `loss_mask_BR` is 0 when
+    given) and entropy_BR or None. Gradients
     flow unless called under no_grad; `entropy_grad=False` computes the entropy for metrics only.
     Under FSDP this is a collective: every rank must call it the same number of times.
     """
     P = prompt_width
     logprobs, entropies = [], []
-    for rows, target_bR, logits_NV in _packed_outputs(model, input_ids_BT, attention_mask_BT, P, max_tokens_per_pack):
+    for rows, target_bR, logits_NV in _packed_outputs(model, input_ids_BT, attention_mask_BT, P, max_tokens_per_pack,
+                                                      loss_mask_BR):
         labels_N = input_ids_BT[rows.start:rows.stop, P:][target_bR]
         logprobs_N, entropy_N = logprobs_and_entropy(logits_NV, labels_N, temperature, compute_entropy, entropy_grad)
         logprobs.append(_scatter_rows(logprobs_N, target_bR))

@@ -157,7 +157,8 @@ class PolicyWorker(ProfiledWorker):
                                        micro_batch_size=ref.log_prob_micro_batch_size // self.sizes.world,
                                        max_tokens_per_pack=a.max_tokens_per_pack, temperature=rollout.temperature,
                                        budget=(a.use_dynamic_bsz if ref.log_prob_use_dynamic_bsz is None
-                                               else ref.log_prob_use_dynamic_bsz, ref.log_prob_max_token_len_per_gpu))
+                                               else ref.log_prob_use_dynamic_bsz, ref.log_prob_max_token_len_per_gpu),
+                                       state_masking=a.state_masking)
         # Fixed allocator blocks for the engine, expandable ones for training (expandable_segments);
         # with the engine core in this process its allocator shares ours, which stays as it is.
         self._expandable = (self.device == "cuda" and rollout.name == "vllm"

@@ -208,6 +208,35 @@ def test_packed_equals_padded(tiny_model_dir, batch):
                                    values_padded(value_model, *args), atol=1e-4, rtol=0)
 
 
+def test_with_the_loss_mask_only_the_model_tokens_are_scored_with_the_same_values_and_gradients(tiny_model_dir, batch):
+    """forward_packed(loss_mask_BR=…) runs lm_head only where the loss reads: observations (and
+    padding) give 0, the model's tokens the log-probs, entropies and gradients of the full pass."""
+    model = build_causal_lm(tiny_model_dir)
+    args = (batch.input_ids_BT, batch.attention_mask_BT, batch.prompt_width)
+    mask_BR = batch.loss_mask_BR
+    scored_BR = mask_BR.bool()
+    assert scored_BR.sum() < batch.response_mask_BR.sum()   # the batch has observation tokens
+    weights_BR = torch.randn(mask_BR.shape, generator=torch.Generator().manual_seed(2)) * mask_BR
+    outs, grads, logits_rows = [], [], []
+    hook = model.lm_head.register_forward_hook(lambda m, i, o: logits_rows.append(o.shape[-2]))
+    for kw in ({}, {"loss_mask_BR": mask_BR}):
+        model.zero_grad()
+        logprobs_BR, entropy_BR = forward_packed(model, *args, temperature=0.7, compute_entropy=True,
+                                                 max_tokens_per_pack=40, **kw)
+        ((logprobs_BR + entropy_BR) * weights_BR).sum().backward()
+        outs.append((logprobs_BR.detach(), entropy_BR.detach()))
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    hook.remove()
+    (full, full_ent), (masked, masked_ent) = outs
+    assert (masked[~scored_BR] == 0).all() and (masked_ent[~scored_BR] == 0).all()
+    torch.testing.assert_close(masked[scored_BR], full[scored_BR], atol=1e-5, rtol=0)
+    torch.testing.assert_close(masked_ent[scored_BR], full_ent[scored_BR], atol=1e-5, rtol=0)
+    half = len(logits_rows) // 2
+    assert sum(logits_rows[half:]) == int(scored_BR.sum()) < sum(logits_rows[:half])   # lm_head's rows
+    for name, g in grads[0].items():
+        assert (g - grads[1][name]).abs().max() <= 1e-5 * g.abs().max(), name
+
+
 def test_varlen_attention_equals_padded(tiny_model_dir, batch):
     # The CPU branch of the mask-free varlen attention (SDPA row by row): same log-probs, entropies,
     # gradients and values as the padded forward, with every row of the batch in ONE pack.
