@@ -36,7 +36,7 @@ from enum import StrEnum
 from typing import Any
 
 from verl.workers.rollout.agent_loop import TrajectoryStats
-from verl.workers.rollout.engines import Generation, SamplingConfig
+from verl.workers.rollout.engine import Generation, SamplingConfig
 
 
 class Finish(StrEnum):
