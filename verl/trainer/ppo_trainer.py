@@ -25,8 +25,8 @@ from verl.batch import RolloutBatch, balanced_order
 from verl.config.schema import TrainerConfig
 from verl.config.sizes import Sizes
 from verl.trainer.health import HealthWatch, Unhealthy, non_finite_metrics
-from verl.trainer.metrics import (PEAK_FLOPS, Timer, load_reward_fn, merge_worker_metrics, score_trajectories,
-                                  takes_extra_info, throughput_metrics, write_samples)
+from verl.trainer.metrics import (PEAK_FLOPS, Timer, load_reward_fn, merge_worker_metrics, reward_kwargs_for,
+                                  score_trajectories, takes_extra_info, throughput_metrics, write_samples)
 from verl.trainer.resume import Checkpoints, trim_data_order
 from verl.utils.dataset import Example, PromptSampler
 
@@ -50,7 +50,7 @@ class PPOTrainer:
         self.sampler, self.val_examples = sampler, val_examples
         self.tracker, self.total_steps = tracker, total_steps
         self.reward_fn = load_reward_fn(cfg.reward.function)
-        self.reward_kwargs = cfg.reward.kwargs()
+        self.reward_kwargs = reward_kwargs_for(self.reward_fn, cfg.reward.reward_kwargs)
         self.reward_takes_extra_info = takes_extra_info(self.reward_fn)
         self.estimator = core_algos.AdvEstimator(cfg.algorithm.adv_estimator)
         kl = cfg.algorithm.kl_ctrl
