@@ -62,9 +62,9 @@ class Timer:
 
     @contextmanager
     def __call__(self, name):
-        t = time.perf_counter()
+        started = time.perf_counter()
         yield
-        self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t
+        self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - started
 
 
 def score_trajectories(batch: RolloutBatch, reward_fn, reward_kwargs: dict, with_extra_info: bool,

@@ -68,10 +68,10 @@ def test_a_response_begun_in_the_prompt_is_scored_whole():
                             info={"response_text": list(written)})
 
     gold = {"target": ["Lima"]}
-    begun = PPOTrainer.with_targets(batch(), [Example([1], "nq", gold, 0, None, "<think>")], n=2)
+    begun = PPOTrainer.with_reward_inputs(batch(), [Example([1], "nq", gold, 0, None, "<think>")], n=2)
     assert begun.info["response_text"] == ["<think>" + t for t in written]
     assert all(check_format(t).valid for t in begun.info["response_text"])
-    plain = PPOTrainer.with_targets(batch(), [Example([1], "nq", gold, 0)], n=2)
+    plain = PPOTrainer.with_reward_inputs(batch(), [Example([1], "nq", gold, 0)], n=2)
     assert plain.info["response_text"] == written and not check_format(written[0]).valid
     trainer = _trainer()
     scores = [trainer.reward_fn("nq", t, gold, format_score=0.2).score for t in begun.info["response_text"]]
@@ -128,7 +128,7 @@ def _filtering_trainer(tmp_path, rewards, prompts=12, metric="seq_reward", **key
         batch = pack_trajectories([e.prompt_ids for e in examples for _ in range(n)], [[5, 6, 7]] * len(texts),
                                   [[1, 1, 1]] * len(texts), [e.index for e in examples for _ in range(n)], 0)
         batch.info = {"response_text": texts, "stats": [TrajectoryStats("eos", 3, 3) for _ in texts]}
-        return PPOTrainer.with_targets(batch, examples, n)
+        return PPOTrainer.with_reward_inputs(batch, examples, n)
 
     def reward(source, text, gt):
         score, _, em = text.partition(",")
