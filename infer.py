@@ -154,7 +154,9 @@ def main(argv=None) -> int:
         print(hint, file=sys.stderr, flush=True)
     import torch
 
-    from verl.workers.rollout.engines import HFEngine, SamplingConfig, VLLMEngine
+    from verl.workers.rollout.engine import SamplingConfig
+    from verl.workers.rollout.hf_engine import HFEngine
+    from verl.workers.rollout.vllm_engine import VLLMEngine
     from search_r1.agent.loop import AgentConfig, HTTPSearcher, SearchAgent
     from search_r1.retrieval.client import RetrieverConfig
 

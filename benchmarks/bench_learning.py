@@ -2,7 +2,8 @@
 
     python benchmarks/bench_learning.py --out DIR --slots 0,0,1,1 --minutes 6 \\
         --variant "sft-grpo" \\
-        --variant "rl-example start=base template=example reward.format_score=0.2 reward.final_format_score=0.1" \\
+        --variant "rl-example start=base template=example +reward.reward_kwargs.format_score=0.2 \\
+                   +reward.reward_kwargs.final_format_score=0.1" \\
         --variant "no-masking actor_rollout_ref.actor.state_masking=false"
 
 Each variant is the demo's `gpu` preset (SmolLM2-135M-Instruct, 32 prompts × 5 samples per step, lr

@@ -232,7 +232,7 @@ def calibrate_tag_bias(engine, prompts, tag_ids: list[int], mean_turn: float) ->
     stop strings) under the uniform-logit guess, count each tag, and correct its bias by
     log(target / measured frequency). While p ≪ 1 it is proportional to e^bias, so one step
     suffices up to sampling noise (~10% with ≥ 100 hits)."""
-    from verl.workers.rollout.engines import SamplingConfig
+    from verl.workers.rollout.engine import SamplingConfig
 
     guess = {t: tag_bias(len(engine.tokenizer), mean_turn) for t in tag_ids}
     generations = engine.generate(prompts, SamplingConfig(max_tokens=round(2 * mean_turn), logit_bias=guess), stop=[])
@@ -483,7 +483,9 @@ def main(argv=None):
 
     from search_r1.agent.loop import AgentConfig, HTTPSearcher, response_budget
     from search_r1.retrieval.client import RetrieverConfig
-    from verl.workers.rollout.engines import HFEngine, SamplingConfig, VLLMEngine
+    from verl.workers.rollout.engine import SamplingConfig
+    from verl.workers.rollout.hf_engine import HFEngine
+    from verl.workers.rollout.vllm_engine import VLLMEngine
 
     model, tok = build_model(a, work)
     prompts_all = make_prompts(tok, max(vllm_n + hf_n))

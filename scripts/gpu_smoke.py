@@ -103,7 +103,7 @@ def parts(out: Path, gpu_count: int, tokenizer: str) -> list[Part]:
     return [
         demo_part("demo"),
         demo_part("demo-tools", protocol="tools"),   # verl's multi_turn keys, the search tool
-        demo_part("demo-rl-only", preset="rl-only"),  # the search agent's turn_prefix, reward.format_needs_search
+        demo_part("demo-rl-only", preset="rl-only"),  # the search agent's turn_prefix, the reward's format_needs_search
         Part("gpu-tests", min(2, gpu_count), [sh(PY, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
                                                  *sorted(str(p) for p in ROOT.glob("tests/**/*_gpu.py")))],
              lambda: expect_no_skips(out / "gpu-tests.log", gpu_count)),

@@ -6,7 +6,9 @@ script's `reranker.*`. The trainer here knows no search: those keys are the sear
 (`search_r1.agent.loop.SearchLoopOptions`, under `actor_rollout_ref.rollout.agent_kwargs`), and this
 table says where each one goes. The original always ran the search agent with the data-source EM
 reward, without keys to ask for them: when its keys are given, the table names those two where the
-command line names none (and the log says so).
+command line names none (and the log says so). Its reward terms (`reward_model.structure_format_score`,
+`final_format_score`, `retrieval_score`), and this trainer's earlier `reward.*` names of them, are
+the search reward's keyword arguments (`search_r1.rewards.RewardTerms`, under `reward.reward_kwargs`).
 
 The trainer finds the table through the `verl.compat` entry point group (pyproject.toml), or through
 VERL_COMPAT=search_r1.compat:ORIGINAL_SEARCH_R1 in a checkout used without installing it
@@ -18,6 +20,7 @@ from verl.config.compat import CompatTable, IgnoredKey, MovedKey, OneValueKey
 
 SEARCH_LOOP = "search_r1.agent.loop:SearchAgentLoop"
 OPTIONS = "actor_rollout_ref.rollout.agent_kwargs"
+REWARD_KWARGS = "reward.reward_kwargs"
 
 ORIGINAL_SEARCH_R1 = CompatTable(
     name="the original Search-R1",
@@ -37,6 +40,14 @@ ORIGINAL_SEARCH_R1 = CompatTable(
                                                  "drop reranker.*"),
         "reranker.url": IgnoredKey("the retrieval server re-ranks here: search-r1 serve --reranker_model"),
         "reranker.topk": IgnoredKey("retriever.topk sets the passages per search"),
+        # The reward's terms are search_r1.rewards.score_for's keyword arguments (RewardTerms): the
+        # original's reward_model.* names and this trainer's earlier reward.* ones. Giving one selects
+        # nothing, as before: the run still names its reward function (or the keys above do).
+        "reward_model.structure_format_score": MovedKey(f"{REWARD_KWARGS}.format_score", selects=False),
+        "reward_model.final_format_score": MovedKey(f"{REWARD_KWARGS}.final_format_score", selects=False),
+        "reward_model.retrieval_score": MovedKey(f"{REWARD_KWARGS}.retrieval_score", selects=False),
+        **{f"reward.{term}": MovedKey(f"{REWARD_KWARGS}.{term}", selects=False)
+           for term in ("format_score", "final_format_score", "retrieval_score", "search_cost", "format_needs_search")},
     },
     defaults={"actor_rollout_ref.rollout.agent_loop": SEARCH_LOOP,
               "reward.function": "search_r1.rewards:score_for"},

@@ -112,7 +112,7 @@ PRESETS = {
 #   the model writes no valid trajectory;
 # - the agent opens a "<think>" after each observation (turn_prefix), so a sample that searched can
 #   still go on in the valid format;
-# - the reward pays the valid format only after a search (reward.format_needs_search), so a wrong
+# - the reward pays the valid format only after a search (its format_needs_search), so a wrong
 #   answer given at once earns nothing, and adds a retrieval term for a valid answer whose passages
 #   held the gold;
 # - GRPO's advantages are not divided by the group's reward spread (Dr.GRPO): divided, a lone sample
@@ -120,8 +120,8 @@ PRESETS = {
 # The evidence for each: benchmarks/RESULTS.md, "Reinforcement learning alone: the rl-only preset".
 PRESETS["rl-only"] = dataclasses.replace(
     PRESETS["gpu"], sft=False, template="example2_think", grpo_minutes=15, turn_prefix="<think>",
-    grpo_keys=("reward.format_score=0.2", "reward.final_format_score=0", "reward.retrieval_score=0.3",
-               "reward.format_needs_search=true", "algorithm.norm_adv_by_std_in_grpo=false"))
+    grpo_keys=("reward.reward_kwargs={format_score: 0.2, final_format_score: 0, retrieval_score: 0.3, "
+               "format_needs_search: true}", "algorithm.norm_adv_by_std_in_grpo=false"))
 GPU_PRESETS = ("gpu", "rl-only")
 
 

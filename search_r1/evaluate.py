@@ -274,7 +274,7 @@ def resolve_model(model: str, base_model: str | None, out: str | os.PathLike,
 def build_engine(cfg: EvalConfig, model: str, max_model_len: int):
     import torch
 
-    from verl.workers.rollout.engines import create_engine
+    from verl.workers.rollout.engine_by_name import create_engine
 
     if cfg.engine != "vllm":
         return create_engine(cfg.engine, model, seed=cfg.seed, key="--engine")
@@ -360,7 +360,7 @@ def generate(cfg: EvalConfig, engine, prompts: list[list[int]]) -> list[dict]:
 
     from search_r1.agent.loop import STOP, AgentConfig, Finish, HTTPSearcher, Schedule, SearchAgent, response_budget
     from search_r1.retrieval.client import RetrieverConfig
-    from verl.workers.rollout.engines import SamplingConfig
+    from verl.workers.rollout.engine import SamplingConfig
 
     sampling = SamplingConfig(temperature=cfg.temperature, max_tokens=cfg.max_response_length)
     def decode(ids):

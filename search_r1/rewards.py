@@ -388,8 +388,46 @@ def retrieval_hit(response: str, golds: GroundTruth) -> bool:
     return False
 
 
+def _check_terms(format_score: float, final_format_score: float, retrieval_score: float,
+                 search_cost: float) -> None:
+    if not 0.0 <= format_score <= 1.0 or not 0.0 <= retrieval_score <= 1.0:
+        raise ValueError(f"format_score = {format_score} and retrieval_score = {retrieval_score} "
+                         f"must lie in [0, 1]")
+    if not 0.0 <= final_format_score <= format_score:
+        raise ValueError(f"final_format_score = {final_format_score} must lie in [0, format_score = "
+                         f"{format_score}], so that a valid format never pays less than an "
+                         f"invalid one")
+    if format_score + retrieval_score >= 1.0:
+        raise ValueError(f"format_score + retrieval_score = {format_score + retrieval_score} "
+                         f"must be below 1, so that a wrong answer always scores below a "
+                         f"correct one")
+    if search_cost < 0.0:
+        raise ValueError(f"search_cost = {search_cost} must be >= 0: it is what one search costs")
+
+
+@dataclass
+class RewardTerms:
+    """The optional terms of `compute_score`, as `score_for` takes them: its options
+    (`score_for.Options`), which the trainer's `reward.reward_kwargs` is checked against at start-up.
+    The original Search-R1's `reward_model.structure_format_score`, `final_format_score`,
+    `retrieval_score` and this trainer's earlier `reward.*` names of them are read into
+    `reward.reward_kwargs` (search_r1.compat). The defaults give plain EM, the paper's reward."""
+    format_score: float = 0.0        # a wrong answer in the valid format (a right one in an invalid format: 1 - it)
+    final_format_score: float = 0.0  # a wrong answer in an invalid format with an answer block, <= format_score
+    retrieval_score: float = 0.0     # added to a wrong answer in the valid format whose passages held a gold answer
+    search_cost: float = 0.0         # taken from a right answer's reward once per search it made, >= 0
+    # format_score and final_format_score paid only after a search (compute_score says why)
+    format_needs_search: bool = False
+
+    def __post_init__(self):
+        _check_terms(self.format_score, self.final_format_score, self.retrieval_score, self.search_cost)
+        if self.format_needs_search and not self.format_score:
+            raise ValueError("format_needs_search=true pays the format's reward only after a search, and "
+                             "format_score is 0: set format_score too")
+
+
 def compute_score(response: str, ground_truth: GroundTruth, *, format_score: float = 0.0,
-                  structure_bonus: float = 0.0, retrieval_score: float = 0.0,
+                  final_format_score: float = 0.0, retrieval_score: float = 0.0,
                   search_cost: float = 0.0, format_needs_search: bool = False) -> RewardResult:
     """Exact-match outcome reward with optional format, structure, retrieval and search-cost terms.
 
@@ -399,7 +437,7 @@ def compute_score(response: str, ground_truth: GroundTruth, *, format_score: flo
 
     i.e. correct+valid -> 1, correct+invalid -> 1 - format_score, wrong+valid -> format_score,
     wrong+invalid -> 0. Two optional additions, only when the answer is wrong:
-    - wrong+invalid but with a complete <answer> block -> `structure_bonus` instead of 0;
+    - wrong+invalid but with a complete <answer> block -> `final_format_score` instead of 0;
     - wrong+valid and a gold answer appears in some <information> block (the search found it
       but the model did not use it) -> `retrieval_score` is added. Only a valid trajectory, one
       that ends in an answer, earns it, as in the original: paid on any trajectory, it also pays a
@@ -410,26 +448,14 @@ def compute_score(response: str, ground_truth: GroundTruth, *, format_score: flo
     Wrong answers pay nothing for their searches: GRPO divides each group's advantages by its reward
     std, so a cost on every trajectory would turn the groups where all answers are wrong (most
     groups early in training) into a full-strength signal against searching (same section).
-    With `format_needs_search`, a wrong answer earns `format_score` (or `structure_bonus`) only if
+    With `format_needs_search`, a wrong answer earns `format_score` (or `final_format_score`) only if
     the response searched at least once (a non-empty query the environment answered; an empty
     <search></search> gets a correction, which does not count): the cheapest reward then needs a
     search, so a policy cannot settle on answering at once for the format alone
     (benchmarks/RESULTS.md, "Reinforcement learning alone: the rl-only preset").
     The defaults (all 0) give plain EM, the paper's reward.
     """
-    if not 0.0 <= format_score <= 1.0 or not 0.0 <= retrieval_score <= 1.0:
-        raise ValueError(f"format_score = {format_score} and retrieval_score = {retrieval_score} "
-                         f"must lie in [0, 1]")
-    if not 0.0 <= structure_bonus <= format_score:
-        raise ValueError(f"structure_bonus = {structure_bonus} must lie in [0, format_score = "
-                         f"{format_score}], so that a valid format never pays less than an "
-                         f"invalid one")
-    if format_score + retrieval_score >= 1.0:
-        raise ValueError(f"format_score + retrieval_score = {format_score + retrieval_score} "
-                         f"must be below 1, so that a wrong answer always scores below a "
-                         f"correct one")
-    if search_cost < 0.0:
-        raise ValueError(f"search_cost = {search_cost} must be >= 0: it is what one search costs")
+    _check_terms(format_score, final_format_score, retrieval_score, search_cost)
 
     golds = gold_answers(ground_truth)
     answer = extract_answer(response)
@@ -440,7 +466,7 @@ def compute_score(response: str, ground_truth: GroundTruth, *, format_score: flo
     score = (1.0 - format_score) * em + format_score * valid
     if not em:
         if not valid and answer is not None:
-            score = structure_bonus
+            score = final_format_score
         if format_needs_search and not _searched(as_tags(response)):
             score = 0.0
         if hit and valid:
@@ -481,6 +507,7 @@ def score_for(data_source: str, response: str, ground_truth: GroundTruth, extra_
     misspelt source name does not go unnoticed. Where the row's `extra_info` gives its hop count
     (`hops`, as the bundled task does), the result's metrics say by hop count whether the answer was
     right and how many searches it took: does a two-hop question get its second search?
+    `kwargs`: the terms of `RewardTerms` (its `Options`), passed on to the source's function.
     """
     result = _score_by_source(data_source, response, ground_truth, **kwargs)
     hops = (extra_info or {}).get("hops")
@@ -488,6 +515,9 @@ def score_for(data_source: str, response: str, ground_truth: GroundTruth, extra_
         return result
     return replace(result, metrics={**result.metrics, f"em_by_hops/{int(hops)}": float(result.em),
                                     f"searches_by_hops/{int(hops)}": float(searches_made(response))})
+
+
+score_for.Options = RewardTerms   # its keyword arguments, as the trainer checks reward.reward_kwargs
 
 
 def _score_by_source(data_source: str, response: str, ground_truth: GroundTruth, **kwargs) -> RewardResult:

@@ -50,6 +50,7 @@ def test_presets_parse_and_small_is_an_alias():
     from search_r1.demo import PRESETS, TEST_QUESTIONS, grpo_overrides, parse_args
     from verl.config.load import load_config
     from verl.config.sizes import derive_sizes
+    from verl.trainer.metrics import load_reward_fn, reward_kwargs_for
 
     assert TEST_QUESTIONS == len(read_jsonl(bundled_paths()["test"]))  # "all test questions" stays true
     assert parse_args(["--small"])[1] == parse_args(["--preset", "small"])[1] == PRESETS["small"]
@@ -86,8 +87,12 @@ def test_presets_parse_and_small_is_an_alias():
     assert "--response-prefix '<think>' --turn-prefix '<think>' " in hint
     assert "--response-prefix" not in next_steps(Path("o"), [], Path("m"), Path("r"), "tags", "instruct")
     keys = dict(o.split("=", 1) for o in grpo_overrides(rl, Path("tr"), Path("te"), Path("m"), "u", Path("r")))
-    assert (keys["reward.format_score"], keys["reward.final_format_score"], keys["reward.retrieval_score"],
-            keys["reward.format_needs_search"]) == ("0.2", "0", "0.3", "true")
+    raw = OmegaConf.merge(OmegaConf.load(ROOT / "configs" / "ppo_trainer.yaml"),
+                          OmegaConf.from_dotlist([f"{k}={v}" for k, v in keys.items() if not k.startswith("hydra.")]))
+    cfg = load_config(raw)
+    assert reward_kwargs_for(load_reward_fn(cfg.reward.function), cfg.reward.reward_kwargs) == {
+        "format_score": 0.2, "final_format_score": 0.0, "retrieval_score": 0.3, "search_cost": 0.0,
+        "format_needs_search": True}
     assert keys["algorithm.norm_adv_by_std_in_grpo"] == "false"   # Dr.GRPO advantages
     # a template and trainer keys of one's own, the keys after the preset's (the trainer takes the last)
     rl2 = parse_args(["--preset", "rl-only", "--template", "example_think",

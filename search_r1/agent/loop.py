@@ -148,10 +148,10 @@ class SearchAgent(MultiTurnAgent):
         self._close_ids = self._encode("</information>\n\n")
         self._turn_prefix_ids = self._encode(self.cfg.turn_prefix) if self.cfg.turn_prefix else []
 
-    def parse_turn(self, t, gen, context, last_turn) -> SearchRequest | None:
+    def parse_turn(self, trajectory, gen, context, last_turn) -> SearchRequest | None:
         if gen.stop_reason == "</answer>":
-            t.valid_actions += 1
-            t.finish = Finish.ANSWER
+            trajectory.valid_actions += 1
+            trajectory.finish = Finish.ANSWER
         elif gen.stop_reason == "</search>":
             # Decoding only parses; the ids stay as generated.
             text = self.engine.tokenizer.decode(context + gen.token_ids, skip_special_tokens=True)
@@ -159,21 +159,21 @@ class SearchAgent(MultiTurnAgent):
             query = found[-1].strip()[:self.cfg.max_query_chars] if found else None
             malformed = query is None or not query or "<search>" in query
             if last_turn:
-                t.finish = Finish.MAX_TURNS
+                trajectory.finish = Finish.MAX_TURNS
             elif malformed and not (self.cfg.search_malformed_queries and query is not None):
-                t.invalid_actions += 1
+                trajectory.invalid_actions += 1
                 return SearchRequest(None)  # the correction goes in as an observation
             else:
-                t.valid_actions += 1
-                t.tool_calls += 1
+                trajectory.valid_actions += 1
+                trajectory.tool_calls += 1
                 return SearchRequest(query)
         elif gen.finish_reason == "length":
-            t.finish = Finish.LENGTH
+            trajectory.finish = Finish.LENGTH
         else:
-            t.finish = Finish.EOS
+            trajectory.finish = Finish.EOS
         return None
 
-    def run_tools(self, ts, requests):
+    def run_tools(self, trajectories, requests):
         """One batched request for the turn's readable queries; a failed search gives None hits."""
         asking = [i for i, r in enumerate(requests) if r.query is not None]
         results: list[list[dict] | None] = [None] * len(requests)
@@ -186,20 +186,20 @@ class SearchAgent(MultiTurnAgent):
             hits = [None] * len(asking)
         for i, h in zip(asking, hits):
             results[i] = h
-            ts[i].tool_failed |= h is None
+            trajectories[i].tool_failed |= h is None
         return results
 
-    async def arun_tool(self, t, request):
+    async def arun_tool(self, trajectory, request):
         if request.query is None:
             return None
         try:
             return (await self.searcher.asearch([request.query], self.cfg.topk))[0]
         except Exception as e:
             log.warning("retrieval failed: %s", e)
-            t.tool_failed = True
+            trajectory.tool_failed = True
             return None
 
-    def observation_ids(self, t, request, hits) -> list[int]:
+    def observation_ids(self, trajectory, request, hits) -> list[int]:
         ids = self._encode(INVALID_ACTION) if request.query is None else self.passage_ids(hits)
         return ids + self._turn_prefix_ids
 

@@ -62,7 +62,8 @@ def test_a_turn_prefix_reaches_the_agent_in_training_and_the_final_evaluation_al
     from search_r1.cli import build_parser
     from verl.config.load import load_config
     from verl.trainer.main_ppo import accept_plus_on_existing_keys
-    v = Variant.parse("rl start=base turn_prefix=<think> reward.format_score=0.2 reward.format_needs_search=true")
+    v = Variant.parse("rl start=base turn_prefix=<think> +reward.reward_kwargs.format_score=0.2 "
+                      "reward.format_needs_search=true")   # the new name and the old one (search_r1.compat)
     data = {"train": Path("train.parquet"), "test": Path("test.parquet")}
     configs = Path(__file__).resolve().parents[2] / "configs"
     with initialize_config_dir(config_dir=str(configs), version_base=None):
@@ -70,7 +71,7 @@ def test_a_turn_prefix_reaches_the_agent_in_training_and_the_final_evaluation_al
                           shared=False, kv_gib=2)
         cfg = load_config(compose("ppo_trainer", overrides=accept_plus_on_existing_keys(keys)))
     assert cfg.actor_rollout_ref.rollout.agent_kwargs["turn_prefix"] == "<think>"
-    assert cfg.reward.kwargs() == {"format_score": 0.2, "format_needs_search": True}
+    assert cfg.reward.reward_kwargs == {"format_score": 0.2, "format_needs_search": True}
     for mode, expected in (("search", "<think>"), ("rag", "")):
         cmd = eval_cmd(Path("m"), Path("t.parquet"), "http://127.0.0.1:1/retrieve", Path("o"), mode, 3, 0.12,
                        None, turn_prefix=v.turn_prefix)

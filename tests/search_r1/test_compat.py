@@ -4,6 +4,7 @@ named, select the search agent and the data-source EM reward as the original ran
 keys are accepted and unused (do_rerank only false); the table is registered as an entry point."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import tomllib
 from pathlib import Path
@@ -13,9 +14,11 @@ from omegaconf import OmegaConf
 
 from search_r1.agent.loop import SearchAgentLoop, SearchLoopOptions
 from search_r1.compat import ORIGINAL_SEARCH_R1
+from search_r1.rewards import RewardTerms
 from verl.config.compat import ENTRY_POINT_GROUP, load_table
 from verl.config.load import load_config
 from verl.config.schema import ConfigError
+from verl.trainer.metrics import load_reward_fn, reward_kwargs_for
 from verl.workers.rollout.loop_from_config import agent_loop_settings
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -110,3 +113,67 @@ def test_prompts_that_teach_the_tool_protocol_are_refused_by_the_tag_agent():
     with pytest.raises(ValueError, match="actor_rollout_ref.rollout.multi_turn.enable=true"):
         SearchAgentLoop.check_prompts(settings, ["Question: who?", tools])
     SearchAgentLoop.check_prompts(settings, ["Search with <search> query </search>. Question: who?"])
+
+
+# -- the reward's terms: search_r1.rewards.score_for's keyword arguments ---------------------------
+
+TERMS = {"format_score": 0.2, "final_format_score": 0.1, "retrieval_score": 0.3, "search_cost": 0.05,
+         "format_needs_search": True}
+SCORE_FOR = "reward.function=search_r1.rewards:score_for"
+
+
+def reward_kwargs(*overrides):
+    cfg = load(SCORE_FOR, *overrides)
+    return reward_kwargs_for(load_reward_fn(cfg.reward.function), cfg.reward.reward_kwargs)
+
+
+def test_the_old_and_the_originals_reward_keys_give_the_kwargs_the_new_ones_give():
+    new = reward_kwargs("reward.reward_kwargs={" + ", ".join(f"{k}: {v}" for k, v in TERMS.items()) + "}")
+    ours = reward_kwargs(*(f"reward.{k}={v}" for k, v in TERMS.items()))
+    original = reward_kwargs("reward_model.structure_format_score=0.2", "reward_model.final_format_score=0.1",
+                             "reward_model.retrieval_score=0.3", "reward.search_cost=0.05",
+                             "reward.format_needs_search=true")
+    assert new == ours == original == TERMS
+    # none given: the terms' defaults, the paper's plain EM, as before
+    assert reward_kwargs() == dataclasses.asdict(RewardTerms()) and not any(reward_kwargs().values())
+    # the same key in two spellings must agree
+    with pytest.raises(ConfigError, match=r"format_score=0.2 and reward.reward_kwargs.format_score=0.3 set the same"):
+        reward_kwargs("reward.format_score=0.2", "reward_model.structure_format_score=0.3")
+
+
+def test_reward_terms_select_nothing():
+    """As before they were the function's keyword arguments: a reward term alone names no agent loop
+    and no reward function."""
+    cfg = load("reward.format_score=0.2")
+    assert cfg.actor_rollout_ref.rollout.agent_loop is None and cfg.reward.function is None
+    assert cfg.reward.reward_kwargs == {"format_score": 0.2}
+
+
+@pytest.mark.parametrize("override, message", [
+    ("reward.reward_kwargs={format_scor: 0.2}", r"reward.reward_kwargs.format_scor: the reward function "
+                                                r"search_r1.rewards:score_for has no such option; its options here: "
+                                                r"final_format_score, format_needs_search, format_score, "
+                                                r"retrieval_score, search_cost"),
+    ("reward.reward_kwargs={search_cost: many}", r"reward.reward_kwargs.search_cost: Value 'many'"),
+    ("reward.search_cost=-0.1", r"reward.reward_kwargs: search_cost = -0.1 must be >= 0"),
+    ("reward_model.final_format_score=0.3", r"reward.reward_kwargs: final_format_score = 0.3 must lie in \[0, "
+                                            r"format_score = 0.0\]"),
+    ("reward.format_score=0.6", r"reward.reward_kwargs: format_score \+ retrieval_score = 1.0 must be below 1"),
+    ("reward.format_needs_search=true", r"reward.reward_kwargs: format_needs_search=true .* set format_score too"),
+])
+def test_a_bad_reward_kwarg_stops_the_start_naming_the_key(override, message, tmp_path):
+    """Through the trainer's start-up itself: refused before the model, the data or any worker."""
+    from hydra import compose, initialize_config_dir
+
+    from verl.trainer.main_ppo import accept_plus_on_existing_keys, run
+
+    overrides = [SCORE_FOR, "reward.reward_kwargs={retrieval_score: 0.4}", override,
+                 f"actor_rollout_ref.model.path={tmp_path / 'no-model'}", f"data.train_files={tmp_path / 't.parquet'}",
+                 f"trainer.default_local_dir={tmp_path / 'run'}"]
+    if override.startswith("reward.reward_kwargs="):   # in place of the retrieval term
+        overrides.pop(1)
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base=None):
+        raw = compose("ppo_trainer", overrides=accept_plus_on_existing_keys(overrides))
+    with pytest.raises(ConfigError, match=message):
+        run(raw)
+    assert not (tmp_path / "run").exists()

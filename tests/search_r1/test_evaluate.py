@@ -158,7 +158,7 @@ class ScriptedEngine:
         self.tokenizer, self.golds = tokenizer, golds
 
     def generate(self, prompts, sampling, stop):
-        from verl.workers.rollout.engines import Generation
+        from verl.workers.rollout.engine import Generation
         out = []
         for ids in prompts:
             text = self.tokenizer.decode(ids)
@@ -180,7 +180,7 @@ class ContinuingEngine(ScriptedEngine):
         self.ends, self.continued = ends, []
 
     def generate(self, prompts, sampling, stop):
-        from verl.workers.rollout.engines import Generation
+        from verl.workers.rollout.engine import Generation
         out = []
         for ids, g in zip(prompts, super().generate(prompts, sampling, stop)):
             text = self.tokenizer.decode(g.token_ids)

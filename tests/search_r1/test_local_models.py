@@ -7,7 +7,9 @@ from pathlib import Path
 import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from verl.workers.rollout.engines import Generation, HFEngine, SamplingConfig, VLLMEngine
+from verl.workers.rollout.engine import Generation, SamplingConfig
+from verl.workers.rollout.hf_engine import HFEngine
+from verl.workers.rollout.vllm_engine import VLLMEngine
 from search_r1.local_models import make_tiny_model, materialize_smollm2
 
 

@@ -1,3 +1,5 @@
+import dataclasses
+import inspect
 import logging
 import random
 
@@ -6,6 +8,7 @@ import pytest
 
 from search_r1.rewards import (
     REWARD_FNS,
+    RewardTerms,
     check_format,
     compute_score,
     exact_match,
@@ -263,7 +266,7 @@ INVALID_WRONG_WITH_ANSWER = trajectory("Lyon") + " trailing"
 INVALID_NO_ANSWER = "<think>I should look this up.</think><search>capital</search>" + INFO_OTHER
 INVALID_NO_ANSWER_HIT = "<think>I should look this up.</think><search>capital</search>" + INFO_PARIS
 
-SCHEME = dict(format_score=0.2, structure_bonus=0.1, retrieval_score=0.3)
+SCHEME = dict(format_score=0.2, final_format_score=0.1, retrieval_score=0.3)
 
 
 @pytest.mark.parametrize("response, default, configured", [
@@ -298,7 +301,7 @@ def test_search_cost_is_charged_per_search_of_a_correct_answer_only():
 
 def test_format_needs_search_pays_the_format_after_a_search_only():
     at_once = "<think>x</think><answer>Lyon</answer>"
-    needs = dict(format_score=0.2, structure_bonus=0.1, retrieval_score=0.3, format_needs_search=True)
+    needs = dict(format_score=0.2, final_format_score=0.1, retrieval_score=0.3, format_needs_search=True)
     assert compute_score(at_once, ["Paris"], format_score=0.2).score == pytest.approx(0.2)
     assert compute_score(at_once, ["Paris"], **needs).score == 0.0
     assert compute_score(at_once + " trailing", ["Paris"], **needs).score == 0.0
@@ -333,12 +336,27 @@ def test_compute_score_fields():
 @pytest.mark.parametrize("kwargs", [
     dict(format_score=-0.1),
     dict(format_score=1.5),
-    dict(format_score=0.1, structure_bonus=0.2),
+    dict(format_score=0.1, final_format_score=0.2),
     dict(format_score=0.5, retrieval_score=0.5),
 ])
-def test_compute_score_rejects_bad_settings(kwargs):
+def test_compute_score_and_its_options_reject_bad_settings(kwargs):
     with pytest.raises(ValueError):
         compute_score(VALID_CORRECT, "Paris", **kwargs)
+    with pytest.raises(ValueError):   # what the trainer checks reward.reward_kwargs with, at start-up
+        RewardTerms(**kwargs)
+
+
+def test_score_fors_options_are_the_terms_compute_score_takes_with_its_defaults():
+    """score_for.Options is what the trainer checks reward.reward_kwargs against and passes on
+    whole: each field must be a keyword of compute_score, with the same default (plain EM)."""
+    assert score_for.Options is RewardTerms
+    keywords = {name: p.default for name, p in inspect.signature(compute_score).parameters.items()
+                if p.kind is inspect.Parameter.KEYWORD_ONLY}
+    assert dataclasses.asdict(RewardTerms()) == keywords
+    assert score_for("nq", VALID_WRONG, "Paris", **dataclasses.asdict(RewardTerms())) == \
+        score_for("nq", VALID_WRONG, "Paris")
+    with pytest.raises(ValueError, match="set format_score too"):   # a switch that would do nothing
+        RewardTerms(format_needs_search=True)
 
 
 # --- per-source dispatch ----------------------------------------------------------------------

@@ -96,7 +96,7 @@ def test_tool_protocol_trajectories_are_what_the_tool_loop_writes(bm25_url, toke
     import asyncio
     from search_r1.agent.search_tool import search_chat_format, search_tool_agent
     from search_r1.retrieval.client import RetrieverConfig
-    from verl.workers.rollout.engines import Generation, SamplingConfig
+    from verl.workers.rollout.engine import Generation, SamplingConfig
     from verl.workers.rollout.tool_loop import ToolAgentConfig
 
     with RetrievalClient(url=bm25_url) as client:

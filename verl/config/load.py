@@ -95,37 +95,16 @@ def _check_original_keys(cfg: TrainerConfig) -> None:
     if not 0.0 <= rate <= 1.0:
         raise ConfigError(f"actor_rollout_ref.rollout.max_tool_failure_rate={rate}: give the share of tool-calling "
                           "trajectories whose tool call may fail before the run stops, in [0, 1]")
-    _read_original_reward_keys(cfg)
+    _check_reward_model(cfg)
     if cfg.trainer.critic_warmup < 0:
         raise ConfigError(f"trainer.critic_warmup={cfg.trainer.critic_warmup}: give the step from which the actor "
                           "is updated (0: from the first step)")
 
 
-def _read_original_reward_keys(cfg: TrainerConfig) -> None:
-    """reward_model.* (the original's names) into reward.*, and the reward terms' ranges."""
+def _check_reward_model(cfg: TrainerConfig) -> None:
     if cfg.reward_model.enable:
         raise ConfigError("reward_model.enable=true: a model-based reward is not offered; the outcome reward is "
-                          "reward.function (e.g. search_r1.rewards:score_for) with reward.format_score, "
-                          "reward.final_format_score, reward.retrieval_score and reward.search_cost")
-    r, original = cfg.reward, cfg.reward_model
-    for ours, theirs in (("format_score", "structure_format_score"), ("final_format_score", "final_format_score"),
-                         ("retrieval_score", "retrieval_score")):
-        mine, given = getattr(r, ours), getattr(original, theirs)
-        if given and mine and given != mine:
-            raise ConfigError(f"reward.{ours}={mine} and reward_model.{theirs}={given} set the same term: give one")
-        setattr(r, ours, mine or given)
-    if not (0.0 <= r.format_score < 1.0 and 0.0 <= r.retrieval_score < 1.0
-            and r.format_score + r.retrieval_score < 1.0):
-        raise ConfigError(f"reward.format_score={r.format_score}, reward.retrieval_score={r.retrieval_score}: each "
-                          "in [0, 1) and their sum below 1, so that a wrong answer scores below a right one")
-    if not 0.0 <= r.final_format_score <= r.format_score:
-        raise ConfigError(f"reward.final_format_score={r.final_format_score}: in [0, reward.format_score="
-                          f"{r.format_score}], so that a valid format never pays less than an invalid one")
-    if r.search_cost < 0:
-        raise ConfigError(f"reward.search_cost={r.search_cost}: what one search costs, >= 0")
-    if r.format_needs_search and not r.format_score:
-        raise ConfigError("reward.format_needs_search=true conditions the format's reward on a search, and "
-                          "reward.format_score is 0: set reward.format_score too")
+                          "reward.function, with its own terms in reward.reward_kwargs")
 
 
 def agent_loop_spec(cfg: TrainerConfig) -> str | None:

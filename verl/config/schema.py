@@ -383,39 +383,24 @@ class RewardConfig:
     function: str | None = key(None, "the outcome reward as module:function(data_source, response_text, "
                                      "ground_truth) -> float or an object with .score, e.g. "
                                      "search_r1.rewards:score_for; null stops the run at start-up")
-    # The terms of search_r1.rewards.compute_score. Only those set (not 0) are passed to the function
-    # as keyword arguments, so a function of the three arguments alone keeps working without them.
-    format_score: float = key(0.0, "reward of a wrong answer in the valid think/search/answer format (a right "
-                                   "answer in an invalid format gets 1 - format_score), in [0, 1); the "
-                                   "original's reward_model.structure_format_score")
-    final_format_score: float = key(0.0, "reward of a wrong answer in an invalid format that still has an answer "
-                                         "block, at most format_score; the original's reward_model.final_format_score")
-    retrieval_score: float = key(0.0, "added to a wrong answer in the valid format when a retrieved passage held "
-                                      "a gold answer; the original's reward_model.retrieval_score")
-    search_cost: float = key(0.0, "subtracted from a correct answer's reward once per search the trajectory made, >= 0")
-    format_needs_search: bool = key(False, "pay format_score and final_format_score to a wrong answer only if the "
-                                           "trajectory searched at least once, so that the cheapest reward needs a "
-                                           "search (trained without SFT, a policy otherwise learns to answer at once)")
+    # verl's custom_reward_function.reward_kwargs, under the name a verl user looks for: the function's
+    # own terms stay out of this schema, the function declares them (verl.trainer.metrics).
+    reward_kwargs: dict[str, Any] | None = key(None, "keyword arguments of reward.function, {name: value} (verl's "
+                                                     "name: custom_reward_function.reward_kwargs): checked at "
+                                                     "start-up against the options dataclass the function declares "
+                                                     "(its attribute Options); an unknown name, a wrong type or a "
+                                                     "value it refuses stops the run; null: its defaults")
     overlong_buffer: OverlongBufferConfig = key_factory(OverlongBufferConfig, "DAPO's overlong reward shaping, on "
                                                         "the response's tokens (the model's and the tools'); "
                                                         "verl's reward_model.overlong_buffer is read into it")
 
-    def kwargs(self) -> dict[str, float | bool]:
-        """The terms set, as the reward function's keyword arguments (compute_score's names)."""
-        terms = {"format_score": self.format_score, "structure_bonus": self.final_format_score,
-                 "retrieval_score": self.retrieval_score, "search_cost": self.search_cost,
-                 "format_needs_search": self.format_needs_search}
-        return {k: v for k, v in terms.items() if v}
-
 
 @dataclass
 class RewardModelConfig:
-    """The original's reward_model section: its model-based reward is not offered (reward.function
-    is the outcome reward); its format terms are read into reward.*."""
+    """The original's and verl's reward_model section: a model-based reward is not offered
+    (reward.function is the outcome reward). Keys of a reward function's own under it are read into
+    reward.reward_kwargs by the compatibility table of the package that owns the function."""
     enable: bool = key(False, "only false is accepted: the outcome reward is reward.function")
-    structure_format_score: float = key(0.0, "the original's name of reward.format_score")
-    final_format_score: float = key(0.0, "the original's name of reward.final_format_score")
-    retrieval_score: float = key(0.0, "the original's name of reward.retrieval_score")
     overlong_buffer: OverlongBufferConfig = key_factory(OverlongBufferConfig, "verl's name of reward.overlong_buffer")
 
 
@@ -508,5 +493,6 @@ class TrainerConfig:
     critic: CriticConfig = key_factory(CriticConfig, "the value model, trained only with algorithm.adv_estimator=gae")
     algorithm: AlgorithmConfig = key_factory(AlgorithmConfig, "advantage estimator and the KL in the reward")
     reward: RewardConfig = key_factory(RewardConfig, "the outcome reward of a trajectory")
-    reward_model: RewardModelConfig = key_factory(RewardModelConfig, "the original's reward keys: read into reward.*")
+    reward_model: RewardModelConfig = key_factory(RewardModelConfig, "the original's and verl's reward_model keys: "
+                                                 "enable (false only) and overlong_buffer")
     trainer: RunConfig = key_factory(RunConfig, "run length, workers, logging and checkpoints")

@@ -27,33 +27,33 @@ def derive_sizes(cfg: TrainerConfig) -> Sizes:
     per_step = cfg.data.train_batch_size * n
     mini = actor.ppo_mini_batch_size
 
-    def need(cond, message):
-        if not cond:
+    def require(condition, message):   # else the run stops at start-up with the message
+        if not condition:
             raise ConfigError(message)
 
-    need(per_step % world == 0,
-         f"data.train_batch_size × rollout.n_agent = {per_step} trajectories per step is not divisible "
-         f"by trainer.nnodes × trainer.n_gpus_per_node = {world} workers")
-    need(per_step % mini == 0,
-         f"data.train_batch_size × rollout.n_agent = {per_step} trajectories per step is not divisible "
-         f"actor.ppo_mini_batch_size = {mini} trajectories")
-    need(mini % world == 0,
-         f"actor.ppo_mini_batch_size = {mini} trajectories is not divisible by {world} workers")
+    require(per_step % world == 0,
+            f"data.train_batch_size × rollout.n_agent = {per_step} trajectories per step is not divisible "
+            f"by trainer.nnodes × trainer.n_gpus_per_node = {world} workers")
+    require(per_step % mini == 0,
+            f"data.train_batch_size × rollout.n_agent = {per_step} trajectories per step is not divisible "
+            f"by actor.ppo_mini_batch_size = {mini} trajectories")
+    require(mini % world == 0,
+            f"actor.ppo_mini_batch_size = {mini} trajectories is not divisible by {world} workers")
     for key, value in (("actor_rollout_ref.actor.ppo_micro_batch_size", actor.ppo_micro_batch_size),
                        ("actor_rollout_ref.rollout.log_prob_micro_batch_size",
                         cfg.actor_rollout_ref.rollout.log_prob_micro_batch_size),
                        ("critic.ppo_micro_batch_size", cfg.critic.ppo_micro_batch_size)):
-        need(value % world == 0 and value >= world,
-             f"{key} = {value} trajectories must be a positive multiple of the {world} workers")
+        require(value % world == 0 and value >= world,
+                f"{key} = {value} trajectories must be a positive multiple of the {world} workers")
     micro = actor.ppo_micro_batch_size // world
-    need(actor.use_dynamic_bsz or (mini // world) % micro == 0,
-         f"actor.ppo_mini_batch_size / workers = {mini // world} trajectories is not divisible "
-         f"by actor.ppo_micro_batch_size / workers = {micro}")
+    require(actor.use_dynamic_bsz or (mini // world) % micro == 0,
+            f"actor.ppo_mini_batch_size / workers = {mini // world} trajectories is not divisible "
+            f"by actor.ppo_micro_batch_size / workers = {micro}")
     critic_micro = cfg.critic.ppo_micro_batch_size // world
     critic_dynamic = actor.use_dynamic_bsz if cfg.critic.use_dynamic_bsz is None else cfg.critic.use_dynamic_bsz
-    need(cfg.algorithm.adv_estimator != "gae" or critic_dynamic or (mini // world) % critic_micro == 0,
-         f"the critic updates on the actor's mini-batches: actor.ppo_mini_batch_size / workers = "
-         f"{mini // world} trajectories is not divisible by critic.ppo_micro_batch_size / workers = {critic_micro}")
+    require(cfg.algorithm.adv_estimator != "gae" or critic_dynamic or (mini // world) % critic_micro == 0,
+            f"the critic updates on the actor's mini-batches: actor.ppo_mini_batch_size / workers = "
+            f"{mini // world} trajectories is not divisible by critic.ppo_micro_batch_size / workers = {critic_micro}")
     return Sizes(world, cfg.data.train_batch_size, per_step, per_step // world, mini // world, micro,
                  cfg.actor_rollout_ref.rollout.log_prob_micro_batch_size // world,
                  cfg.critic.ppo_micro_batch_size // world)

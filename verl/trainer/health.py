@@ -3,8 +3,8 @@
 GRPO runs can collapse: the reward falls to zero, the entropy explodes into gibberish, the KL to the
 reference runs away, the loss turns NaN. `HealthWatch` reads a step's metrics and names the signs it
 sees; the trainer decides what to do (warn, stop, or roll back to a checkpoint saved while healthy,
-see `PPOTrainer.respond`). The watch is plain data, saved with every checkpoint, so a resumed run
-compares against the same history.
+see `PPOTrainer.respond_to_collapse_signs`). The watch is plain data, saved with every checkpoint,
+so a resumed run compares against the same history.
 """
 from __future__ import annotations
 

@@ -28,7 +28,7 @@ def run(raw: DictConfig) -> None:
     from verl.config.sizes import derive_sizes
     from verl.core_algos import AdvEstimator
     from verl.single_controller.ray_group import LocalWorkerGroup, WorkerGroup, start_ray
-    from verl.trainer.metrics import load_reward_fn
+    from verl.trainer.metrics import load_reward_fn, reward_kwargs_for
     from verl.trainer.ppo_trainer import PPOTrainer
     from verl.utils.dataset import PromptSampler, load_examples
     from verl.utils.tracking import Tracker, check_backends
@@ -47,12 +47,14 @@ def run(raw: DictConfig) -> None:
         multi_turn.tool_config_path = os.path.abspath(multi_turn.tool_config_path)
     try:  # a missing or wrong reward function stops the run here, before Ray and the workers start
         reward_fn = load_reward_fn(cfg.reward.function)
-        inspect.signature(reward_fn).bind("data_source", "response", "ground_truth", **cfg.reward.kwargs())
     except (ValueError, ImportError, AttributeError) as e:
         raise ConfigError(f"reward.function={cfg.reward.function!r}: {e}") from None
+    reward_kwargs = reward_kwargs_for(reward_fn, cfg.reward.reward_kwargs)   # checked against its Options
+    try:
+        inspect.signature(reward_fn).bind("data_source", "response", "ground_truth", **reward_kwargs)
     except TypeError as e:
-        raise ConfigError(f"reward.function={cfg.reward.function!r} does not take the reward terms set "
-                          f"({', '.join(cfg.reward.kwargs())}): {e}") from None
+        raise ConfigError(f"reward.function={cfg.reward.function!r} does not take the keyword arguments its "
+                          f"Options declare ({', '.join(reward_kwargs)}): {e}") from None
     sizes = derive_sizes(cfg)
     run_cfg = cfg.trainer
     device = run_cfg.device if run_cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")

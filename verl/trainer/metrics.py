@@ -1,8 +1,10 @@
-"""What the trainer measures of a step: the outcome reward and the metrics of the trajectories
-(scores), tokens per second and the actor update's model FLOPs utilisation (throughput, MFU), the
-workers' metrics merged, and the samples written for reading by eye."""
+"""What the trainer measures of a step: the outcome reward (the reward function and the keyword
+arguments it declares) and the metrics of the trajectories (scores), tokens per second and the
+actor update's model FLOPs utilisation (throughput, MFU), the workers' metrics merged, and the
+samples written for reading by eye."""
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import inspect
 import json
@@ -15,6 +17,8 @@ import numpy as np
 import torch
 
 from verl.batch import RolloutBatch
+from verl.config.options import options_from_config
+from verl.config.schema import ConfigError
 
 # bf16 dense tensor-core peaks (data sheets), for the MFU estimate.
 PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
@@ -31,6 +35,22 @@ def load_reward_fn(spec: str | None):
     return getattr(importlib.import_module(module), name)
 
 
+def reward_kwargs_for(reward_fn, given: dict | None, where: str = "reward.reward_kwargs") -> dict:
+    """The keyword arguments `reward_fn` is called with: `given` (the config's `where`) checked against
+    the options dataclass the function declares (its attribute `Options`), every field of it,
+    defaults included. A function that declares none is called without; giving it some stops the run.
+    Unknown names, wrong types and values the dataclass refuses raise ConfigError naming the key."""
+    options_cls = getattr(reward_fn, "Options", None)
+    name = f"{getattr(reward_fn, '__module__', '?')}:{getattr(reward_fn, '__name__', reward_fn)}"
+    if options_cls is None or not dataclasses.is_dataclass(options_cls):
+        if given:
+            raise ConfigError(f"{where}.{next(iter(given))}: the reward function {name} declares no options "
+                              "dataclass (its attribute Options), so it takes no keyword arguments")
+        return {}
+    options = options_from_config(options_cls, given, where, f"the reward function {name}")
+    return {f.name: getattr(options, f.name) for f in dataclasses.fields(options)}
+
+
 def takes_extra_info(fn) -> bool:
     """Whether the reward function takes the row's `extra_info` (verl's keyword), by name."""
     return "extra_info" in inspect.signature(fn).parameters
@@ -42,9 +62,9 @@ class Timer:
 
     @contextmanager
     def __call__(self, name):
-        t = time.perf_counter()
+        started = time.perf_counter()
         yield
-        self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t
+        self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - started
 
 
 def score_trajectories(batch: RolloutBatch, reward_fn, reward_kwargs: dict, with_extra_info: bool,

@@ -25,8 +25,8 @@ from verl.batch import RolloutBatch, balanced_order
 from verl.config.schema import TrainerConfig
 from verl.config.sizes import Sizes
 from verl.trainer.health import HealthWatch, Unhealthy, non_finite_metrics
-from verl.trainer.metrics import (PEAK_FLOPS, Timer, load_reward_fn, merge_worker_metrics, score_trajectories,
-                                  takes_extra_info, throughput_metrics, write_samples)
+from verl.trainer.metrics import (PEAK_FLOPS, Timer, load_reward_fn, merge_worker_metrics, reward_kwargs_for,
+                                  score_trajectories, takes_extra_info, throughput_metrics, write_samples)
 from verl.trainer.resume import Checkpoints, trim_data_order
 from verl.utils.dataset import Example, PromptSampler
 
@@ -50,7 +50,7 @@ class PPOTrainer:
         self.sampler, self.val_examples = sampler, val_examples
         self.tracker, self.total_steps = tracker, total_steps
         self.reward_fn = load_reward_fn(cfg.reward.function)
-        self.reward_kwargs = cfg.reward.kwargs()
+        self.reward_kwargs = reward_kwargs_for(self.reward_fn, cfg.reward.reward_kwargs)
         self.reward_takes_extra_info = takes_extra_info(self.reward_fn)
         self.estimator = core_algos.AdvEstimator(cfg.algorithm.adv_estimator)
         kl = cfg.algorithm.kl_ctrl
@@ -73,50 +73,50 @@ class PPOTrainer:
     # -- the step ------------------------------------------------------------------------------
 
     def train_step(self, examples: list[Example]) -> dict:
-        t = Timer()
+        timer = Timer()
         n = self.cfg.actor_rollout_ref.rollout.n_agent
         # trainer.critic_warmup: the critic learns alone until then (self.step counts finished steps)
         actor_learns = self.step + 1 >= self.cfg.trainer.critic_warmup
         generated = None   # model tokens generated, where more were than the batch holds
         if self.cfg.algorithm.filter_groups.enable:
-            batch, metrics, generated = self.rollout_varied_groups(examples, n, t)
+            batch, metrics, generated = self.rollout_varied_groups(examples, n, timer)
         else:
-            with t("rollout"):
+            with timer("rollout"):
                 batch = self.rollout(examples, n, greedy=False,
                                      logprobs=self.cfg.actor_rollout_ref.rollout.calculate_log_probs)
-            with t("reward"):
+            with timer("reward"):
                 batch.rewards_B, metrics = self.score(batch)
         batch, balance = self.balance(batch)
-        with t("reward"):
+        with timer("reward"):
             metrics |= self.drop_failed_tool_calls(batch)
         if not self.old_from_update:
-            with t("old_log_probs"):
-                batch.old_logprobs_BR = batch.cat_responses(self.on_parts(
+            with timer("old_log_probs"):
+                batch.old_logprobs_BR = batch.cat_responses(self.run_on_worker_parts(
                     self.policy, batch, lambda w, part: w.compute_log_probs.remote(part), "old log-probs"))
         if self.use_reference:
-            with t("ref_log_probs"):
-                batch.ref_logprobs_BR = batch.cat_responses(self.on_parts(
+            with timer("ref_log_probs"):
+                batch.ref_logprobs_BR = batch.cat_responses(self.run_on_worker_parts(
                     self.policy, batch, lambda w, part: w.compute_ref_log_probs.remote(part), "reference log-probs"))
         if self.critic is not None:
-            with t("values"):
-                batch.values_BR = batch.cat_responses(
-                    self.on_parts(self.critic, batch, lambda w, part: w.compute_values.remote(part), "values"))
-        with t("advantages"):
+            with timer("values"):
+                batch.values_BR = batch.cat_responses(self.run_on_worker_parts(
+                    self.critic, batch, lambda w, part: w.compute_values.remote(part), "values"))
+        with timer("advantages"):
             metrics |= self.compute_advantages(batch)
         if self.critic is not None:
-            with t("update_critic"):
-                metrics |= merge_worker_metrics(
-                    self.on_parts(self.critic, batch, lambda w, part: w.update_critic.remote(part), "critic update"),
+            with timer("update_critic"):
+                metrics |= merge_worker_metrics(self.run_on_worker_parts(
+                    self.critic, batch, lambda w, part: w.update_critic.remote(part), "critic update"),
                     prefix="critic/")
         if actor_learns:
-            with t("update_actor"):
-                metrics |= merge_worker_metrics(
-                    self.on_parts(self.policy, batch, lambda w, part: w.update_actor.remote(part), "actor update"))
+            with timer("update_actor"):
+                metrics |= merge_worker_metrics(self.run_on_worker_parts(
+                    self.policy, batch, lambda w, part: w.update_actor.remote(part), "actor update"))
         if actor_learns:
-            with t("weight_sync"):
+            with timer("weight_sync"):
                 self.policy.get([w.sync_weights.remote() for w in self.policy.workers], "weight sync", self.step)
-        return (metrics | balance | self.throughput(batch, t.seconds, generated)
-                | {f"timing_s/{k}": v for k, v in t.seconds.items()})
+        return (metrics | balance | self.throughput(batch, timer.seconds, generated)
+                | {f"timing_s/{k}": v for k, v in timer.seconds.items()})
 
     def balance(self, batch: RolloutBatch) -> tuple[RolloutBatch, dict]:
         """The step's trajectories reordered so that each worker's part holds nearly the same number of
@@ -134,7 +134,7 @@ class PPOTrainer:
 
     # -- DAPO's dynamic sampling (algorithm.filter_groups) ----------------------------------------
 
-    def rollout_varied_groups(self, examples: list[Example], n: int, t: Timer) -> tuple[RolloutBatch, dict, int]:
+    def rollout_varied_groups(self, examples: list[Example], n: int, timer: Timer) -> tuple[RolloutBatch, dict, int]:
         """Generate and score `examples` × n, drop the groups whose filter metric is the same for
         every sample, and draw the next prompts from the sampler (listed in data_order.jsonl) until
         as many groups are kept as `examples` holds; the first of them, the rewards set. Timing
@@ -142,20 +142,20 @@ class PPOTrainer:
         one size), so they describe what the policy generated, not the filtered batch. Stops the run
         past algorithm.filter_groups.max_num_gen_batches. Returns the batch, the metrics and the
         model tokens generated."""
-        fg = self.cfg.algorithm.filter_groups
+        filter_groups = self.cfg.algorithm.filter_groups
         want = len(examples) * n
         kept, scored, dropped, generated, groups_seen = [], [], 0, 0, 0
         for gen_batch in itertools.count():
             if gen_batch:
                 examples = self.draw_prompts(gen_batch + 1)
-            with t("rollout"):
+            with timer("rollout"):
                 batch = self.rollout(examples, n, greedy=False, gen_batch=gen_batch,
                                      logprobs=self.cfg.actor_rollout_ref.rollout.calculate_log_probs)
-            with t("reward"):
+            with timer("reward"):
                 batch.rewards_B, metrics = self.score(batch)
             scored.append(metrics)
             generated += sum(s.model_tokens for s in batch.info["stats"])
-            keep_B = core_algos.varied_groups(self.filter_metric_B(batch, fg.metric), batch.group_ids_B)
+            keep_B = core_algos.varied_groups(self.filter_metric_B(batch, filter_groups.metric), batch.group_ids_B)
             # Ids numbered anew across the step's batches: a prompt drawn twice (past an epoch's end)
             # makes two groups.
             index_B = torch.unique(batch.group_ids_B, return_inverse=True)[1]
@@ -165,13 +165,13 @@ class PPOTrainer:
             kept.append(batch.select(keep_B.nonzero().flatten()))
             if sum(len(b) for b in kept) >= want:
                 break
-            if 0 < fg.max_num_gen_batches <= gen_batch + 1:
+            if 0 < filter_groups.max_num_gen_batches <= gen_batch + 1:
                 raise FilterGroupsExhausted(
                     f"step {self.step + 1}: {sum(len(b) for b in kept) // n} of the {want // n} groups kept after "
                     f"{gen_batch + 1} generation batches (algorithm.filter_groups.max_num_gen_batches="
-                    f"{fg.max_num_gen_batches}): the other groups' {fg.metric} was the same for every sample. The "
-                    "prompts may be too hard or too easy for the policy; raise the key (0: no limit), or switch "
-                    "algorithm.filter_groups.enable off.")
+                    f"{filter_groups.max_num_gen_batches}): the other groups' {filter_groups.metric} was the same for "
+                    "every sample. The prompts may be too hard or too easy for the policy; raise the key (0: no "
+                    "limit), or switch algorithm.filter_groups.enable off.")
         metrics = {k: float(np.mean([m[k] for m in scored if k in m])) for k in set().union(*scored)}
         metrics |= {"filter_groups/dropped_groups": float(dropped), "filter_groups/gen_batches": float(gen_batch + 1)}
         return RolloutBatch.concat(kept).select(slice(0, want)), metrics, generated
@@ -205,32 +205,36 @@ class PPOTrainer:
         (more than one with algorithm.filter_groups), each with seeds of its own."""
         rows = [e for e in examples for _ in range(n)]
         world = len(self.policy.workers)
-        per = -(-len(rows) // world)
-        r = self.cfg.actor_rollout_ref.rollout
-        temperature, top_p = (0.0, 1.0) if greedy else (r.temperature, r.top_p)
+        rows_per_worker = -(-len(rows) // world)
+        rollout_cfg = self.cfg.actor_rollout_ref.rollout
+        temperature, top_p = (0.0, 1.0) if greedy else (rollout_cfg.temperature, rollout_cfg.top_p)
         # One seed per step and worker, from trainer.seed: a resumed step samples what it would have.
         # A rollback gives the steps after it fresh seeds.
         seed = (self.cfg.trainer.seed * 1_000_003 + step * 10_007 + self.health.rollbacks * 7_919
                 + gen_batch * 104_729) % 2**31
-        return [(w, ([e.prompt_ids for e in rows[i * per:(i + 1) * per]], [e.index for e in rows[i * per:(i + 1) * per]],
-                     temperature, top_p, self.cfg.data.max_response_length, (seed + 100_003 * i) % 2**31, logprobs))
-                for i, w in enumerate(self.policy.workers) if rows[i * per:(i + 1) * per]]
+        parts = [rows[i * rows_per_worker:(i + 1) * rows_per_worker] for i in range(world)]
+        return [(w, ([e.prompt_ids for e in part], [e.index for e in part], temperature, top_p,
+                     self.cfg.data.max_response_length, (seed + 100_003 * i) % 2**31, logprobs))
+                for i, (w, part) in enumerate(zip(self.policy.workers, parts)) if part]
 
     def rollout(self, examples: list[Example], n: int, greedy: bool, logprobs: bool = False,
                 gen_batch: int = 0) -> RolloutBatch:
         calls = self.rollout_calls(examples, n, greedy, self.step + 1, logprobs, gen_batch)
         parts = self.policy.get([w.generate.remote(*args) for w, args in calls], "rollout", self.step)
-        return self.with_targets(RolloutBatch.concat(parts), examples, n)
+        return self.with_reward_inputs(RolloutBatch.concat(parts), examples, n)
 
     @staticmethod
-    def with_targets(batch: RolloutBatch, examples: list[Example], n: int) -> RolloutBatch:
+    def with_reward_inputs(batch: RolloutBatch, examples: list[Example], n: int) -> RolloutBatch:
+        """`batch` (n trajectories per example, in order) with what the reward function reads of each
+        example: its data source, ground truth and extra_info, and the response text whole."""
         batch.info["data_source"] = [e.data_source for e in examples for _ in range(n)]
         batch.info["ground_truth"] = [e.ground_truth for e in examples for _ in range(n)]
         batch.info["extra_info"] = [e.extra_info for e in examples for _ in range(n)]
         # a response begun in the prompt (data with a response prefix) is scored and logged whole
         prefixes = [e.response_prefix for e in examples for _ in range(n)]
         if any(prefixes):
-            batch.info["response_text"] = [p + t for p, t in zip(prefixes, batch.info["response_text"])]
+            texts = batch.info["response_text"]
+            batch.info["response_text"] = [prefix + text for prefix, text in zip(prefixes, texts)]
         return batch
 
     def score(self, batch: RolloutBatch) -> tuple[torch.Tensor, dict]:
@@ -272,29 +276,30 @@ class PPOTrainer:
         return {"agent/tool_failures": float(sum(failed)), "agent/tool_failure_rate": rate}
 
     def compute_advantages(self, batch: RolloutBatch) -> dict:
-        a = self.cfg.algorithm
+        algo = self.cfg.algorithm
         mask_BR = batch.loss_mask_BR if self.cfg.actor_rollout_ref.actor.state_masking else batch.response_mask_BR
         metrics = {}
         if self.estimator in (core_algos.AdvEstimator.GAE, core_algos.AdvEstimator.REINFORCE_PP):
             token_rewards_BR = core_algos.token_level_rewards(batch.rewards_B, mask_BR)
-            if a.use_kl_in_reward:
-                kl_BR = core_algos.kl_penalty(batch.old_logprobs_BR, batch.ref_logprobs_BR, a.kl_penalty)
+            if algo.use_kl_in_reward:
+                kl_BR = core_algos.kl_penalty(batch.old_logprobs_BR, batch.ref_logprobs_BR, algo.kl_penalty)
                 token_rewards_BR, mean_kl = core_algos.apply_kl_penalty(token_rewards_BR, kl_BR, mask_BR,
                                                                         self.kl_ctrl.value)
                 self.kl_ctrl.update(float(mean_kl), len(batch))
                 metrics |= {"kl/reward_kl": float(mean_kl), "kl/coef": float(self.kl_ctrl.value)}
             if self.estimator == core_algos.AdvEstimator.GAE:
-                adv_BR, ret_BR = core_algos.gae_advantages(token_rewards_BR, batch.values_BR, mask_BR, a.gamma, a.lam)
+                adv_BR, ret_BR = core_algos.gae_advantages(token_rewards_BR, batch.values_BR, mask_BR, algo.gamma,
+                                                           algo.lam)
             else:
-                adv_BR, ret_BR = core_algos.reinforce_pp_advantages(token_rewards_BR, mask_BR, a.gamma)
+                adv_BR, ret_BR = core_algos.reinforce_pp_advantages(token_rewards_BR, mask_BR, algo.gamma)
         else:
             adv_BR, ret_BR = core_algos.compute_advantages(
                 self.estimator, rewards_B=batch.rewards_B, group_ids_B=batch.group_ids_B, mask_BR=mask_BR,
-                gamma=a.gamma, lam=a.lam, normalize_std=a.norm_adv_by_std_in_grpo)
+                gamma=algo.gamma, lam=algo.lam, normalize_std=algo.norm_adv_by_std_in_grpo)
         batch.advantages_BR, batch.returns_BR = adv_BR, ret_BR
         return metrics | {"advantages/mean": float(core_algos.masked_mean(adv_BR, mask_BR))}
 
-    def on_parts(self, group, batch: RolloutBatch, call, what: str) -> list:
+    def run_on_worker_parts(self, group, batch: RolloutBatch, call, what: str) -> list:
         """Split the batch over the group's workers and run `call(worker, part)` on each (a remote
         call: `lambda w, part: w.compute_values.remote(part)`); the results, in worker order."""
         parts = batch.split(len(group.workers))
@@ -309,12 +314,12 @@ class PPOTrainer:
     def validate(self) -> dict:
         if not self.val_examples:
             return {}
-        t = time.perf_counter()
+        started = time.perf_counter()
         batch = self.rollout(self.val_examples, 1, greedy=True)
         _, metrics = self.score(batch)
         self.write_samples(batch, f"val_step_{self.step}")
         out = {f"val/{k}": v for k, v in metrics.items()}
-        out["timing_s/validation"] = time.perf_counter() - t
+        out["timing_s/validation"] = time.perf_counter() - started
         return out
 
     def write_samples(self, batch: RolloutBatch, name: str, limit: int = 64):
@@ -363,23 +368,23 @@ class PPOTrainer:
         raise RuntimeError(f"step {self.step}: {', '.join(f'{k}={metrics[k]}' for k in bad)}: not finite, so the "
                            f"run stops here without validating or saving this state. {where}")
 
-    def respond(self, signs: list[str], metrics: dict) -> bool:
+    def respond_to_collapse_signs(self, signs: list[str], metrics: dict) -> bool:
         """What trainer.health.action says to do about this step's collapse signs. Returns whether
         the run rolled back (then this step's state is discarded, not saved)."""
-        h = self.cfg.trainer.health
+        health_cfg = self.cfg.trainer.health
         what = f"step {self.step}: " + "; ".join(signs)
-        if h.action == "warn":
+        if health_cfg.action == "warn":
             log.warning("%s. Training goes on (trainer.health.action=warn)", what)
             return False
         root = self.checkpoints.root
         failed = []
-        if h.action == "stop":
+        if health_cfg.action == "stop":
             reason = ("The run stops here (trainer.health.action=stop) without saving this step; rerun to resume "
                       "from the last checkpoint, e.g. with a lower actor_rollout_ref.actor.optim.lr, or set "
                       "trainer.health.action=rollback")
-        elif self.health.rollbacks >= h.max_rollbacks:
+        elif self.health.rollbacks >= health_cfg.max_rollbacks:
             reason = (f"The run stops: it has rolled back {self.health.rollbacks} times already "
-                      f"(trainer.health.max_rollbacks={h.max_rollbacks})")
+                      f"(trainer.health.max_rollbacks={health_cfg.max_rollbacks})")
         elif (target := self.checkpoints.roll_back(lambda kept: self.health.rollback_target(kept, signs),
                                                    self.step, failed)) is None:
             skipped = f" ({'; '.join(failed)})" if failed else ""
@@ -392,13 +397,13 @@ class PPOTrainer:
             self.tracker.log(metrics, step=self.step)  # the signs show next to the steps before them
             raise Unhealthy(f"{what}. {reason}.")
         self.health.rolled_back(target)
-        self.lr_scale *= h.lr_factor
+        self.lr_scale *= health_cfg.lr_factor
         for group in (self.policy, self.critic):
             if group is not None:
                 group.get([w.set_lr_scale.remote(self.lr_scale) for w in group.workers], "learning rate", self.step)
         log.warning("%s. Rolled back to the checkpoint of step %d with the learning rate at %g× the configured one "
                     "and fresh sampling seeds (rollback %d of at most %d; trainer.health.action=rollback)",
-                    what, target, self.lr_scale, self.health.rollbacks, h.max_rollbacks)
+                    what, target, self.lr_scale, self.health.rollbacks, health_cfg.max_rollbacks)
         return True
 
     def profile(self, action: str) -> None:
@@ -439,9 +444,9 @@ class PPOTrainer:
                 profiled = self.step + 1 in run.profile_steps
                 if profiled:
                     self.profile("start")
-                t = time.perf_counter()
+                step_started = time.perf_counter()
                 metrics = self.train_step(examples)
-                metrics["timing_s/step"] = time.perf_counter() - t   # the traces' writing left out
+                metrics["timing_s/step"] = time.perf_counter() - step_started   # the traces' writing left out
                 if profiled:
                     self.profile("stop")
                 self.step += 1
@@ -454,7 +459,7 @@ class PPOTrainer:
                     metrics |= self.validate()
                 signs = self.health.check(self.step, metrics)
                 metrics["health/alarms"] = float(len(signs))
-                rolled_back = bool(signs) and self.respond(signs, metrics)
+                rolled_back = bool(signs) and self.respond_to_collapse_signs(signs, metrics)
                 if rolled_back:
                     metrics["health/rollbacks"] = float(self.health.rollbacks)
                 # Before the save: a save that fails (a full disk) stops the run, and the step's row is kept.

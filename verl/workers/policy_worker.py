@@ -118,7 +118,7 @@ class PolicyWorker(ProfiledWorker):
 
     def setup(self, master_addr: str, master_port: int) -> None:
         from verl.workers.actor import Actor, Reference
-        from verl.workers.rollout.engines import create_engine
+        from verl.workers.rollout.engine_by_name import create_engine
 
         cfg, arr = self.cfg, self.cfg.actor_rollout_ref
         torch.manual_seed(cfg.trainer.seed + self.rank)
@@ -211,7 +211,7 @@ class PolicyWorker(ProfiledWorker):
         those), or with rollout.request_seeds=false the engine's one stream, re-seeded here, which
         repeats where the requests reach the engine in the same batches. `logprobs`: keep the
         engine's log-prob of every sampled token (batch.rollout_logprobs_BR)."""
-        from verl.workers.rollout.engines import SamplingConfig
+        from verl.workers.rollout.engine import SamplingConfig
         self.wake_rollout()
         rollout = self.cfg.actor_rollout_ref.rollout
         if seed is not None and not rollout.request_seeds:  # one stream for the call, not one a request

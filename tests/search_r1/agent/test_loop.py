@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 
-from verl.workers.rollout.engines import Generation, SamplingConfig
+from verl.workers.rollout.engine import Generation, SamplingConfig
 from search_r1.agent.loop import (INVALID_ACTION, SEARCH_FAILED, AgentConfig, Finish, HTTPSearcher,
                                   Schedule, SearchAgent, SearchAgentLoop, SearchTrajectory)
 from search_r1.local_models import load_smollm2_tokenizer
@@ -327,7 +327,7 @@ def test_continuous_schedule_admits_ready_turns_together(tokenizer):
 
 
 def test_continuous_schedule_needs_a_stepping_engine(tokenizer, tiny_model_dir):
-    from verl.workers.rollout.engines import HFEngine
+    from verl.workers.rollout.hf_engine import HFEngine
 
     agent = SearchAgent(HFEngine(tiny_model_dir), DictSearcher(), AgentConfig(schedule=Schedule.CONTINUOUS))
     with pytest.raises(ValueError, match="continuous schedule needs an engine with submit/step"):
@@ -345,7 +345,7 @@ def test_vllm_agent_against_real_retrieval_server(smollm2_dir, dense_server):
     if reason := vllm_skip_reason():
         pytest.skip(reason)
     from search_r1.data.templates import make_prompt
-    from verl.workers.rollout.engines import VLLMEngine
+    from verl.workers.rollout.vllm_engine import VLLMEngine
 
     engine = VLLMEngine(smollm2_dir, seed=0, max_model_len=2048, kv_cache_memory_bytes=256 << 20)
     tok = engine.tokenizer
@@ -379,7 +379,7 @@ def test_logit_bias_reaches_the_engine(tiny_model_dir, schedule):
     SearchAgentLoop, which caps tokens per turn, keeps it too. No search happens: nothing listens."""
     from search_r1.agent.loop import SearchAgentLoop
     from verl.workers.rollout.agent_loop import AgentLoopSettings
-    from verl.workers.rollout.engines import HFEngine
+    from verl.workers.rollout.hf_engine import HFEngine
 
     engine = HFEngine(tiny_model_dir, seed=0)
     tok = engine.tokenizer

@@ -60,7 +60,8 @@ def test_tool_loop_on_vllm_with_smollm2_against_the_server(smollm2_dir, dense_se
         pytest.skip(reason)
     from search_r1.data.templates import make_prompt
     from verl.tools.chat import ChatFormat
-    from verl.workers.rollout.engines import SamplingConfig, VLLMEngine
+    from verl.workers.rollout.engine import SamplingConfig
+    from verl.workers.rollout.vllm_engine import VLLMEngine
     from verl.workers.rollout.multi_turn import Finish, Schedule
     from verl.workers.rollout.tool_loop import ToolAgentConfig, ToolCallingAgent
 

@@ -321,7 +321,7 @@ def test_scoring_reports_flat_groups_and_trajectories_without_an_action():
     from verl.workers.rollout.agent_loop import TrajectoryStats
     cfg = TrainerConfig()
     cfg.reward.function = "search_r1.rewards:score_for"
-    cfg.reward.search_cost = 0.1   # reaches the reward function as a keyword argument
+    cfg.reward.reward_kwargs = {"search_cost": 0.1}   # reaches the reward function as a keyword argument
     sampler = PromptSampler([Example([1], "nq", "a", 0)], batch_size=1, shuffle=False, seed=0)
     trainer = PPOTrainer(cfg, None, None, None, sampler, None, _Tracker(), 1, "cpu")
     right = "<think>x</think><search>q</search><information>Paris</information><think>y</think><answer>Paris</answer>"

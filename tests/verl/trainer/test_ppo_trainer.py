@@ -68,10 +68,10 @@ def test_a_response_begun_in_the_prompt_is_scored_whole():
                             info={"response_text": list(written)})
 
     gold = {"target": ["Lima"]}
-    begun = PPOTrainer.with_targets(batch(), [Example([1], "nq", gold, 0, None, "<think>")], n=2)
+    begun = PPOTrainer.with_reward_inputs(batch(), [Example([1], "nq", gold, 0, None, "<think>")], n=2)
     assert begun.info["response_text"] == ["<think>" + t for t in written]
     assert all(check_format(t).valid for t in begun.info["response_text"])
-    plain = PPOTrainer.with_targets(batch(), [Example([1], "nq", gold, 0)], n=2)
+    plain = PPOTrainer.with_reward_inputs(batch(), [Example([1], "nq", gold, 0)], n=2)
     assert plain.info["response_text"] == written and not check_format(written[0]).valid
     trainer = _trainer()
     scores = [trainer.reward_fn("nq", t, gold, format_score=0.2).score for t in begun.info["response_text"]]
@@ -128,13 +128,14 @@ def _filtering_trainer(tmp_path, rewards, prompts=12, metric="seq_reward", **key
         batch = pack_trajectories([e.prompt_ids for e in examples for _ in range(n)], [[5, 6, 7]] * len(texts),
                                   [[1, 1, 1]] * len(texts), [e.index for e in examples for _ in range(n)], 0)
         batch.info = {"response_text": texts, "stats": [TrajectoryStats("eos", 3, 3) for _ in texts]}
-        return PPOTrainer.with_targets(batch, examples, n)
+        return PPOTrainer.with_reward_inputs(batch, examples, n)
 
     def reward(source, text, gt):
         score, _, em = text.partition(",")
         return SimpleNamespace(score=float(score), em=float(em or score))
 
     trainer.rollout, trainer.reward_fn, trainer.reward_takes_extra_info = rollout, reward, False
+    trainer.reward_kwargs = {}   # this reward declares no options
     return trainer
 
 
@@ -234,6 +235,7 @@ def test_the_overlong_buffer_penalises_responses_near_the_limit_and_leaves_the_s
     trainer = _trainer(data__max_response_length=100, reward__overlong_buffer__enable=True,
                        reward__overlong_buffer__len=20, reward__overlong_buffer__penalty_factor=1.0)
     trainer.reward_fn, trainer.reward_takes_extra_info = (lambda source, text, gt: 1.0), False
+    trainer.reward_kwargs = {}   # this reward declares no options
     batch = pack_trajectories([[1]] * 3, [[5]] * 3, [[1]] * 3, [0, 0, 0], 0)
     batch.info = {"response_text": ["x"] * 3, "data_source": ["nq"] * 3, "ground_truth": ["a"] * 3,
                   "stats": [TrajectoryStats("eos", n, n) for n in (50, 90, 100)]}
@@ -244,5 +246,5 @@ def test_the_overlong_buffer_penalises_responses_near_the_limit_and_leaves_the_s
     assert metrics["reward/overlong_penalty"] == pytest.approx(-0.5)
     assert metrics["reward/mean"] == pytest.approx(0.5)
     off = _trainer(data__max_response_length=100)
-    off.reward_fn, off.reward_takes_extra_info = trainer.reward_fn, False
+    off.reward_fn, off.reward_takes_extra_info, off.reward_kwargs = trainer.reward_fn, False, {}
     assert off.score(batch)[0].tolist() == [1.0, 1.0, 1.0]

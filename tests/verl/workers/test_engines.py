@@ -18,7 +18,10 @@ import pytest
 import torch
 
 from conftest import vllm_skip_reason
-from verl.workers.rollout.engines import Generation, HFEngine, SamplingConfig, VLLMEngine, create_engine
+from verl.workers.rollout.engine import Generation, SamplingConfig
+from verl.workers.rollout.engine_by_name import create_engine
+from verl.workers.rollout.hf_engine import HFEngine
+from verl.workers.rollout.vllm_engine import VLLMEngine
 
 GREEDY = SamplingConfig(temperature=0, max_tokens=24)
 QUESTIONS = ["Who wrote Hamlet?", "What is the capital of France? Answer briefly.", "Hi"]
@@ -152,7 +155,8 @@ import json, sys, time
 from pathlib import Path
 import torch
 from safetensors.torch import load_file
-from verl.workers.rollout.engines import SamplingConfig, VLLMEngine
+from verl.workers.rollout.engine import SamplingConfig
+from verl.workers.rollout.vllm_engine import VLLMEngine
 model, prompts, device = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
 torch.cuda.is_available()  # as every GPU code path asks first: after it, a forked engine core dies
 engine = VLLMEngine(model, seed=0, max_model_len=512, kv_cache_memory_bytes=64 << 20)
@@ -211,7 +215,7 @@ def test_vllm_engine_core_in_a_child_process(tiny_model, vllm_engine, prompts):
 def test_engine_core_is_spawned_unless_the_user_chose(monkeypatch, caplog):
     """A child engine core is spawned: PyTorch forbids CUDA in a child forked after it counted the
     GPUs, although vLLM then still sees CUDA uninitialised and would fork. A user's choice stays."""
-    from verl.workers.rollout.engines import _spawn_engine_core
+    from verl.workers.rollout.vllm_engine import _spawn_engine_core
     monkeypatch.delenv("VLLM_WORKER_MULTIPROC_METHOD", raising=False)
     _spawn_engine_core()
     assert os.environ["VLLM_WORKER_MULTIPROC_METHOD"] == "spawn"
@@ -342,7 +346,7 @@ def test_a_pushed_embedding_reaches_the_tied_output_layer(vllm_engine, tiny_mode
 def test_only_the_known_harmless_reload_warnings_are_dropped():
     import logging
 
-    from verl.workers.rollout.engines import _KnownReloadWarnings
+    from verl.workers.rollout.vllm_engine import _KnownReloadWarnings
 
     def record(layer):
         return logging.LogRecord("vllm", logging.WARNING, "", 0, "%s: Failed to load weights", (layer,), None)

@@ -37,7 +37,8 @@ import json, sys
 from pathlib import Path
 import torch
 from safetensors.torch import load_file
-from verl.workers.rollout.engines import SamplingConfig, VLLMEngine
+from verl.workers.rollout.engine import SamplingConfig
+from verl.workers.rollout.vllm_engine import VLLMEngine
 model, prompts = sys.argv[1], json.loads(sys.argv[2])
 torch.cuda.is_available()
 engine = VLLMEngine(model, seed=0, max_model_len=512, gpu_memory_utilization=0.2, enable_sleep_mode=True,
@@ -76,7 +77,8 @@ PROFILE_SCRIPT = """
 import json, sys
 import torch
 from verl.utils.profiling import StepProfiler, phase
-from verl.workers.rollout.engines import SamplingConfig, VLLMEngine
+from verl.workers.rollout.engine import SamplingConfig
+from verl.workers.rollout.vllm_engine import VLLMEngine
 model, out = sys.argv[1], sys.argv[2]
 torch.cuda.is_available()
 engine = VLLMEngine(model, seed=0, max_model_len=512, kv_cache_memory_bytes=64 << 20, separate_core=True,

@@ -70,7 +70,7 @@ def test_the_steps_seed_seeds_each_request_or_the_engine_once(tiny_model_dir, re
     """rollout.request_seeds: the step's seed goes with every request, or (false) re-seeds the engine
     before the call and the requests go unseeded. Either way a seed repeats its samples, although
     other work moved torch's global stream in between, and another seed samples differently."""
-    from verl.workers.rollout.engines import HFEngine
+    from verl.workers.rollout.hf_engine import HFEngine
     engine = SeedLog(HFEngine(tiny_model_dir))
     worker = rollout_worker(engine, asleep=False, max_tokens=12, request_seeds=request_seeds)
     prompts = [engine.tokenizer(q).input_ids for q in ("capital of France?", "who wrote Hamlet?")] * 2
@@ -114,7 +114,7 @@ def test_the_engine_stays_awake_from_the_weight_sync_into_the_rollout(tiny_model
 
     from transformers import AutoModelForCausalLM
 
-    from verl.workers.rollout.engines import HFEngine
+    from verl.workers.rollout.hf_engine import HFEngine
     engine = CallLog(HFEngine(tiny_model_dir))
     actor_model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     with torch.no_grad():

@@ -10,7 +10,7 @@ import pytest
 
 from verl.tools.base import Tool, ToolArgumentError, ToolRunner, ToolSpec, build_tools, read_tool_config, tool_class
 from verl.tools.chat import CHATML_TOOLS_TEMPLATE, ChatFormat, renders_tools
-from verl.workers.rollout.engines import Generation, SamplingConfig
+from verl.workers.rollout.engine import Generation, SamplingConfig
 from verl.workers.rollout.multi_turn import Finish, Schedule
 from verl.workers.rollout.tool_loop import MAX_CALL_CHARS, MAX_CALL_DEPTH, ToolAgentConfig, ToolCallingAgent, parse_call
 from search_r1.local_models import load_smollm2_tokenizer

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
-from verl.workers.rollout.engines import Engine, SamplingConfig
+from verl.workers.rollout.engine import Engine, SamplingConfig
 
 
 class PreflightError(RuntimeError):

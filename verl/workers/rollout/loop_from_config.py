@@ -7,9 +7,8 @@ import dataclasses
 import importlib
 from typing import Any
 
-from omegaconf import OmegaConf
-
 from verl.config.load import agent_loop_spec
+from verl.config.options import options_from_config
 from verl.config.schema import ConfigError, TrainerConfig
 from verl.workers.rollout.agent_loop import AgentLoop, AgentLoopSettings
 from verl.workers.rollout.single_turn import SingleTurnLoop
@@ -34,25 +33,7 @@ def build_options(loop_cls: type, given: dict[str, Any] | None, where: str) -> A
     options_cls = getattr(loop_cls, "Options", None)
     if options_cls is None or not dataclasses.is_dataclass(options_cls):
         raise ConfigError(f"the agent loop {name} declares no options dataclass (its class attribute Options)")
-    given = dict(given or {})
-    for dotted, known in _unknown_keys(options_cls(), given, ""):
-        raise ConfigError(f"{where}.{dotted}: the agent loop {name} has no such option; its options here: "
-                          f"{', '.join(known)}")
-    try:
-        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(options_cls), given))
-    except Exception as e:  # OmegaConf names the key and the expected type
-        key, message = getattr(e, "full_key", None), getattr(e, "msg", str(e))
-        raise ConfigError(f"{where}.{key}: {message}" if key else f"{where}: {message}") from None
-
-
-def _unknown_keys(defaults: Any, given: dict, prefix: str):
-    """(dotted key, the known names beside it) for each key of `given` the dataclass `defaults` lacks."""
-    known = {f.name: getattr(defaults, f.name) for f in dataclasses.fields(defaults)}
-    for key, value in given.items():
-        if key not in known:
-            yield prefix + str(key), sorted(known)
-        elif dataclasses.is_dataclass(known[key]) and isinstance(value, dict):
-            yield from _unknown_keys(known[key], value, f"{prefix}{key}.")
+    return options_from_config(options_cls, given, where, f"the agent loop {name}")
 
 
 def agent_schedule(rollout, device: str) -> str:

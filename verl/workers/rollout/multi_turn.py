@@ -36,7 +36,7 @@ from enum import StrEnum
 from typing import Any
 
 from verl.workers.rollout.agent_loop import TrajectoryStats
-from verl.workers.rollout.engines import Generation, SamplingConfig
+from verl.workers.rollout.engine import Generation, SamplingConfig
 
 
 class Finish(StrEnum):
@@ -89,6 +89,11 @@ class Trajectory:
     def done(self) -> bool:
         return self.finish is not None
 
+    @property
+    def prompt_and_response_ids(self) -> list[int]:
+        """What the engine continues for the next turn."""
+        return self.prompt_ids + self.response_ids
+
     def append(self, ids: list[int], model: bool, logprobs: list[float] | None = None):
         self.response_ids += ids
         self.loss_mask += [int(model)] * len(ids)
@@ -124,66 +129,69 @@ class MultiTurnAgent:
 
     # -- what a subclass defines -----------------------------------------------------------------
 
-    def parse_turn(self, t: Trajectory, gen: Generation, context: list[int], last_turn: bool) -> Any | None:
-        """Read the turn just appended (`gen`; `context`: the few tokens before it). Set `t.finish`
-        and return None when the trajectory is over; else return a request for `run_tools`."""
+    def parse_turn(self, trajectory: Trajectory, gen: Generation, context: list[int],
+                   last_turn: bool) -> Any | None:
+        """Read the turn just appended (`gen`; `context`: the few tokens before it). Set
+        `trajectory.finish` and return None when the trajectory is over; else return a request for
+        `run_tools`."""
         raise NotImplementedError
 
-    def run_tools(self, ts: list[Trajectory], requests: list) -> list:
+    def run_tools(self, trajectories: list[Trajectory], requests: list) -> list:
         """Answer the requests of several trajectories at once (blocking). Never raises: a failure
         is an answer that `observation_ids` turns into an error message."""
         raise NotImplementedError
 
-    async def arun_tool(self, t: Trajectory, request) -> Any:
+    async def arun_tool(self, trajectory: Trajectory, request) -> Any:
         """Answer one trajectory's request (async schedule). Never raises."""
         raise NotImplementedError
 
-    def observation_ids(self, t: Trajectory, request, result) -> list[int]:
+    def observation_ids(self, trajectory: Trajectory, request, result) -> list[int]:
         """The tokens that answer `request` in the trajectory (loss_mask 0)."""
         raise NotImplementedError
 
     # -- pieces every schedule uses --------------------------------------------------------------
 
-    def _take_turn(self, t: Trajectory, gen: Generation, last_turn: bool):
+    def _take_turn(self, trajectory: Trajectory, gen: Generation, last_turn: bool):
         # A few tokens of context in front, so an opening tag written just before this turn (e.g.
         # prefilled at the end of the prompt) is seen too. The ids stay as generated.
-        context = (t.prompt_ids + t.response_ids)[-self.context_tokens:]
-        t.append(gen.token_ids, model=True, logprobs=gen.logprobs)
-        self.on_event(t, "model", gen.token_ids)
-        t.turns += 1
-        request = self.parse_turn(t, gen, context, last_turn)
-        self._stamp_if_done(t)
+        context = trajectory.prompt_and_response_ids[-self.context_tokens:]
+        trajectory.append(gen.token_ids, model=True, logprobs=gen.logprobs)
+        self.on_event(trajectory, "model", gen.token_ids)
+        trajectory.turns += 1
+        request = self.parse_turn(trajectory, gen, context, last_turn)
+        self._stamp_if_done(trajectory)
         return request
 
-    def _add_observation(self, t: Trajectory, request, result):
-        ids = self.observation_ids(t, request, result)
-        if len(t.response_ids) + len(ids) >= self.cfg.max_response_tokens:
-            t.finish = Finish.LENGTH  # no room left to read it and answer: cut here
-            self._stamp_if_done(t)
+    def _add_observation(self, trajectory: Trajectory, request, result):
+        ids = self.observation_ids(trajectory, request, result)
+        if len(trajectory.response_ids) + len(ids) >= self.cfg.max_response_tokens:
+            trajectory.finish = Finish.LENGTH  # no room left to read it and answer: cut here
+            self._stamp_if_done(trajectory)
             return
-        t.append(ids, model=False)
-        self.on_event(t, "observation", ids)
+        trajectory.append(ids, model=False)
+        self.on_event(trajectory, "observation", ids)
 
-    def _stamp_if_done(self, t: Trajectory):
+    def _stamp_if_done(self, trajectory: Trajectory):
         """When a trajectory ends, note how long into the rollout: the spread of these times is what the
         rollout's slowest trajectories cost the step (the trainer's rollout/done_s_* quantiles)."""
-        if t.done and t.done_s is None:
-            t.done_s = round(time.monotonic() - self._started, 4)
+        if trajectory.done and trajectory.done_s is None:
+            trajectory.done_s = round(time.monotonic() - self._started, 4)
 
-    def _timed_run_tools(self, ts: list[Trajectory], requests: list) -> list:
+    def _timed_run_tools(self, trajectories: list[Trajectory], requests: list) -> list:
         t0 = time.perf_counter()
-        results = self.run_tools(ts, requests)
+        results = self.run_tools(trajectories, requests)
         dt = time.perf_counter() - t0
-        for t in ts:
-            t.tool_s += dt
+        for trajectory in trajectories:
+            trajectory.tool_s += dt
         return results
 
-    def _sampling(self, t: Trajectory, base: SamplingConfig) -> SamplingConfig:
-        """The settings of t's next turn: max_tokens cut to the room left; with a seed, one of its own
-        for each trajectory and turn, so a run (and a resumed run) samples the same tokens whatever
-        the order in which turns reach the engine."""
-        room = self.cfg.max_response_tokens - len(t.response_ids)
-        seed = None if base.seed is None else (base.seed + 1_009 * t.index + t.turns) % 2**31
+    def _sampling(self, trajectory: Trajectory, base: SamplingConfig) -> SamplingConfig:
+        """The settings of the trajectory's next turn: max_tokens cut to the room left; with a seed,
+        one of its own for each trajectory and turn, so a run (and a resumed run) samples the same
+        tokens whatever the order in which turns reach the engine."""
+        room = self.cfg.max_response_tokens - len(trajectory.response_ids)
+        seed = (None if base.seed is None
+                else (base.seed + 1_009 * trajectory.index + trajectory.turns) % 2**31)
         return replace(base, max_tokens=max(1, min(base.max_tokens, room)), seed=seed)  # keeps logit_bias
 
     # -- schedules -------------------------------------------------------------------------------
@@ -200,46 +208,47 @@ class MultiTurnAgent:
             self._run_continuous(trajectories, sampling)
         else:
             self._run_sync(trajectories, sampling)
-        for t in trajectories:
-            if not t.done:
-                t.finish = Finish.TIMEOUT
-                self._stamp_if_done(t)
+        for trajectory in trajectories:
+            if not trajectory.done:
+                trajectory.finish = Finish.TIMEOUT
+                self._stamp_if_done(trajectory)
         return trajectories
 
     def _run_sync(self, trajectories: list[Trajectory], sampling: SamplingConfig):
         deadline = time.monotonic() + self.cfg.timeout_s
         for turn in range(self.cfg.max_turns + 1):
-            active = [t for t in trajectories if not t.done]
+            active = [trajectory for trajectory in trajectories if not trajectory.done]
             if not active or time.monotonic() > deadline:
                 return
             # Trajectories with equal remaining room share one engine call.
             by_room: dict[int, list[Trajectory]] = {}
-            for t in active:
-                by_room.setdefault(self._sampling(t, sampling).max_tokens, []).append(t)
+            for trajectory in active:
+                by_room.setdefault(self._sampling(trajectory, sampling).max_tokens, []).append(trajectory)
             asking, requests = [], []
             for group in by_room.values():
-                gens = self.engine.generate([t.prompt_ids + t.response_ids for t in group],
+                gens = self.engine.generate([trajectory.prompt_and_response_ids for trajectory in group],
                                             self._sampling(group[0], sampling), self.stop)
-                for t, gen in zip(group, gens):
-                    request = self._take_turn(t, gen, last_turn=turn == self.cfg.max_turns)
+                for trajectory, gen in zip(group, gens):
+                    request = self._take_turn(trajectory, gen, last_turn=turn == self.cfg.max_turns)
                     if request is not None:
-                        asking.append(t)
+                        asking.append(trajectory)
                         requests.append(request)
             results = self._timed_run_tools(asking, requests) if asking else []
-            for t, request, result in zip(asking, requests, results):
-                self._add_observation(t, request, result)
+            for trajectory, request, result in zip(asking, requests, results):
+                self._add_observation(trajectory, request, result)
 
     def _run_continuous(self, trajectories: list[Trajectory], sampling: SamplingConfig):
         engine, deadline = self.engine, time.monotonic() + self.cfg.timeout_s
-        by_id = {id(t): t for t in trajectories}
+        by_id = {id(trajectory): trajectory for trajectory in trajectories}
         in_flight: list[tuple[Future, list[Trajectory], list]] = []  # tool calls running in threads
         ready: list[Trajectory] = list(trajectories)  # next turns waiting to be admitted
         steps_since_admit = 0
 
         def admit():
             nonlocal steps_since_admit
-            for t in ready:
-                engine.submit(id(t), t.prompt_ids + t.response_ids, self._sampling(t, sampling), self.stop)
+            for trajectory in ready:
+                engine.submit(id(trajectory), trajectory.prompt_and_response_ids,
+                              self._sampling(trajectory, sampling), self.stop)
             ready.clear()
             steps_since_admit = 0
 
@@ -257,10 +266,10 @@ class MultiTurnAgent:
                     steps_since_admit += 1
                     finished = engine.step()
                 for key, gen in finished:
-                    t = by_id[key]
-                    request = self._take_turn(t, gen, last_turn=t.turns == self.cfg.max_turns)
+                    trajectory = by_id[key]
+                    request = self._take_turn(trajectory, gen, last_turn=trajectory.turns == self.cfg.max_turns)
                     if request is not None:
-                        asking.append(t)
+                        asking.append(trajectory)
                         requests.append(request)
                 if asking:
                     in_flight.append((pool.submit(self._timed_run_tools, asking, requests), asking, requests))
@@ -272,28 +281,28 @@ class MultiTurnAgent:
                     if not future.done():
                         pending.append((future, asking_, requests_))
                         continue
-                    for t, request, result in zip(asking_, requests_, future.result()):
-                        self._add_observation(t, request, result)
-                        if not t.done:
-                            ready.append(t)
+                    for trajectory, request, result in zip(asking_, requests_, future.result()):
+                        self._add_observation(trajectory, request, result)
+                        if not trajectory.done:
+                            ready.append(trajectory)
                 in_flight = pending
 
     async def _run_async(self, trajectories: list[Trajectory], sampling: SamplingConfig):
-        async def one(t: Trajectory):
+        async def run_trajectory(trajectory: Trajectory):
             for turn in range(self.cfg.max_turns + 1):
-                gen = await self.engine.generate_one(t.prompt_ids + t.response_ids,
-                                                     self._sampling(t, sampling), self.stop)
-                request = self._take_turn(t, gen, last_turn=turn == self.cfg.max_turns)
+                gen = await self.engine.generate_one(trajectory.prompt_and_response_ids,
+                                                     self._sampling(trajectory, sampling), self.stop)
+                request = self._take_turn(trajectory, gen, last_turn=turn == self.cfg.max_turns)
                 if request is None:
                     return
-                t0 = time.perf_counter()
-                result = await self.arun_tool(t, request)
-                t.tool_s += time.perf_counter() - t0
-                self._add_observation(t, request, result)
-                if t.done:
+                asked_at = time.perf_counter()
+                result = await self.arun_tool(trajectory, request)
+                trajectory.tool_s += time.perf_counter() - asked_at
+                self._add_observation(trajectory, request, result)
+                if trajectory.done:
                     return
 
-        tasks = [asyncio.create_task(one(t)) for t in trajectories]
+        tasks = [asyncio.create_task(run_trajectory(trajectory)) for trajectory in trajectories]
         _, pending = await asyncio.wait(tasks, timeout=self.cfg.timeout_s)
         for task in pending:
             task.cancel()

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from verl.workers.rollout.agent_loop import AgentLoopSettings, TrajectoryStats
-from verl.workers.rollout.engines import Engine, SamplingConfig
+from verl.workers.rollout.engine import Engine, SamplingConfig
 
 
 @dataclass

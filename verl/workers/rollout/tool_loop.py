@@ -148,44 +148,44 @@ class ToolCallingAgent(MultiTurnAgent):
         self.chat, self.runner = chat, runner
         self.tool_names = set(runner.tools)
 
-    def parse_turn(self, t, gen, context, last_turn) -> ToolRequest | None:
+    def parse_turn(self, trajectory, gen, context, last_turn) -> ToolRequest | None:
         if gen.stop_reason == CALL_CLOSE:
             if last_turn:
-                t.finish = Finish.MAX_TURNS
+                trajectory.finish = Finish.MAX_TURNS
                 return None
             text = self.engine.tokenizer.decode(context + gen.token_ids, skip_special_tokens=True)
             request, error = parse_call(text, self.tool_names)
             if error:
-                t.invalid_actions += 1
-                t.count(error)
+                trajectory.invalid_actions += 1
+                trajectory.count(error)
             else:
-                t.valid_actions += 1
-                t.tool_calls += 1
+                trajectory.valid_actions += 1
+                trajectory.tool_calls += 1
             return request
-        t.finish = Finish.LENGTH if gen.finish_reason == "length" else Finish.EOS
+        trajectory.finish = Finish.LENGTH if gen.finish_reason == "length" else Finish.EOS
         return None
 
-    def _record(self, t, result) -> str:
+    def _record(self, trajectory, result) -> str:
         if result.status == "bad_arguments":
-            t.count("tool_argument_errors")
+            trajectory.count("tool_argument_errors")
         elif result.status in ("error", "timeout"):
-            t.tool_failed = True
-            t.count("tool_timeouts" if result.status == "timeout" else "tool_errors")
+            trajectory.tool_failed = True
+            trajectory.count("tool_timeouts" if result.status == "timeout" else "tool_errors")
         return result.text
 
-    def run_tools(self, ts, requests):
+    def run_tools(self, trajectories, requests):
         calls = [(i, r) for i, r in enumerate(requests) if r.error is None]
         results = [r.error for r in requests]
         for (i, r), result in zip(calls, self.runner.call_many([(r.name, r.arguments) for _, r in calls])):
-            results[i] = self._record(ts[i], result)
+            results[i] = self._record(trajectories[i], result)
         return results
 
-    async def arun_tool(self, t, request):
+    async def arun_tool(self, trajectory, request):
         if request.error is not None:
             return request.error
-        return self._record(t, await self.runner.acall(request.name, request.arguments))
+        return self._record(trajectory, await self.runner.acall(request.name, request.arguments))
 
-    def observation_ids(self, t, request, text) -> list[int]:
+    def observation_ids(self, trajectory, request, text) -> list[int]:
         return self.chat.tool_message_ids(text, self.cfg.max_obs_length)
 
 

@@ -1,37 +1,15 @@
-"""Generation engines behind one small interface for the agent loop.
+"""`VLLMEngine`: vLLM's offline `LLM` behind the engine contract (`engine.py`).
 
-The loop hands over token ids and gets token ids back: the model's tokens are kept exactly as
-generated (never decoded and re-tokenised), and the stop string that ended a turn ("</search>",
-"</answer>") is part of the returned ids, so the observation can be appended right after it.
-Stop strings are matched inside the engine, so no token is generated past the tag.
-
-- `VLLMEngine`: vLLM's offline `LLM`, engine core (scheduler + model) in this process by default, in
-  a child process with VLLM_ENABLE_V1_MULTIPROCESSING=1 (vLLM reads it once per process); weights
-  can be pushed into it either way. A child core is always spawned, never forked (`_spawn_engine_core`),
-  so scripts that use one need an `if __name__ == "__main__":` guard.
-- `HFEngine`: transformers `generate`, for machines or models vLLM does not cover, and as a reference.
-- `create_engine`: either of them by name, as the trainer's `rollout.name` and `search-r1 eval
-  --engine` choose them.
-
-`VLLMEngine` and `HFEngine` also offer `generate_one` for an asynchronous agent schedule: calls that
-arrive within a few milliseconds of each other are served by one batched `generate`. Only
-`VLLMEngine` can step (`continuous = True`: `submit`, `step`), which the continuous schedule needs.
-
-Seeding, two ways. `SamplingConfig.seed` gives every request a seed of its own (a row's, or the agent
-loop's per trajectory and turn), so a request's random draws do not depend on the requests beside
-it. `reseed(seed)` instead re-seeds the engine's random streams, from which the unseeded requests
-draw (the trainer's `rollout.request_seeds=false`). What either costs depends on vLLM's model runner:
-the first one draws each seeded request's noise separately, one small operation per request and
-engine step, and all unseeded requests' noise together; the second (recent vLLM's GPU default for
-dense models) draws every request's noise in one kernel from a seed per request, picking one from
-NumPy's stream for a request that has none, so there the two ways cost the same. vLLM on CPU rejects a
-per-request seed ("CPU Generator does not use offset"): there `SamplingConfig.seed` is ignored with
-a warning, and only the construction seed and `reseed` apply.
+The engine core (scheduler + model) runs in this process by default, in a child process with
+VLLM_ENABLE_V1_MULTIPROCESSING=1 (vLLM reads it once per process); weights can be pushed into it
+either way. A child core is always spawned, never forked (`_spawn_engine_core`), so scripts that use
+one need an `if __name__ == "__main__":` guard. Besides `generate` it steps (`submit`, `step`) for
+the continuous schedule, sleeps and wakes around training, takes new weights in memory, and runs
+vLLM's own profiler. How seeds reach vLLM: `engine.py`.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import functools
 import itertools
@@ -39,106 +17,14 @@ import logging
 import os
 import shutil
 import sys
-from dataclasses import astuple, dataclass, replace
-from typing import Any, Protocol
 
 import torch
-from transformers import StoppingCriteria
 
 from verl.workers.rollout import shared_weights
+from verl.workers.rollout.engine import Generation, SamplingConfig
+from verl.workers.rollout.micro_batcher import MicroBatcher
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class SamplingConfig:
-    temperature: float = 1.0  # 0 = greedy
-    top_p: float = 1.0
-    max_tokens: int = 512     # new tokens per call
-    seed: int | None = None   # a seed for each request (module docstring); ignored by vLLM on CPU
-    logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling
-    logprobs: bool = False    # also return each sampled token's log-prob (Generation.logprobs)
-
-
-@dataclass
-class Generation:
-    token_ids: list[int]      # new tokens only, including the matched stop string or EOS
-    finish_reason: str        # "stop" (stop string or EOS) or "length"
-    stop_reason: str | None = None  # the stop string that matched; None for EOS or length
-    # With SamplingConfig.logprobs: the log-prob of each token under the distribution it was sampled
-    # from (after logit_bias, temperature and top-p), i.e. the behaviour policy of an off-policy step.
-    # With top_p < 1 that is the nucleus, renormalised: above the full softmax's value by its mass.
-    logprobs: list[float] | None = None
-
-
-class Engine(Protocol):
-    tokenizer: Any  # Hugging Face tokenizer of the model
-    continuous: bool  # whether it also offers submit/step (VLLMEngine) for the continuous schedule
-
-    def generate(self, prompts: list[list[int]], sampling: SamplingConfig, stop: list[str]) -> list[Generation]:
-        """One Generation per prompt, in order."""
-        ...
-
-
-class AsyncEngine(Protocol):
-    tokenizer: Any
-
-    async def generate_one(self, prompt_ids: list[int], sampling: SamplingConfig, stop: list[str]) -> Generation:
-        ...
-
-
-class _MicroBatcher:
-    """Serves concurrent `generate_one` calls with batched `generate` calls.
-
-    Callers that arrive while the engine is busy, or within `window_s` of each other, share the next
-    batch. `generate` runs in a worker thread so the event loop (retrieval requests of the other
-    trajectories) keeps going meanwhile; one drain task at a time keeps the engine single-threaded.
-    """
-
-    def __init__(self, generate, window_s: float = 0.005):
-        self._generate = generate
-        self.window_s = window_s
-        self._pending: list[tuple[list[int], SamplingConfig, tuple[str, ...], asyncio.Future]] = []
-        self._drainer: asyncio.Task | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-
-    async def submit(self, prompt_ids: list[int], sampling: SamplingConfig, stop: list[str]) -> Generation:
-        loop = asyncio.get_running_loop()
-        if loop is not self._loop:  # a new asyncio.run(): forget calls left over from the last loop
-            self._loop, self._pending, self._drainer = loop, [], None
-        future = loop.create_future()
-        self._pending.append((prompt_ids, sampling, tuple(stop), future))
-        if self._drainer is None or self._drainer.done():
-            self._drainer = asyncio.create_task(self._drain())
-        return await future
-
-    async def _drain(self) -> None:
-        while self._pending:
-            await asyncio.sleep(self.window_s)
-            batch, self._pending = self._pending, []
-            # Only calls with equal sampling settings and stop strings can share a batch.
-            groups: dict[tuple, list] = {}
-            for item in batch:
-                groups.setdefault((_sampling_key(item[1]), item[2]), []).append(item)
-            for items in groups.values():
-                prompts = [prompt for prompt, *_ in items]
-                sampling, stop = items[0][1], list(items[0][2])
-                try:
-                    generations = await asyncio.to_thread(self._generate, prompts, sampling, stop)
-                except Exception as error:  # every waiting caller sees the failure
-                    for *_, future in items:
-                        if not future.done():
-                            future.set_exception(error)
-                    continue
-                for (*_, future), generation in zip(items, generations):
-                    if not future.done():  # the caller may have been cancelled meanwhile
-                        future.set_result(generation)
-
-
-def _sampling_key(sampling: SamplingConfig) -> tuple:
-    """A hashable key of the settings: equal keys can share one batched call."""
-    bias = tuple(sorted(sampling.logit_bias.items())) if sampling.logit_bias else None
-    return astuple(replace(sampling, logit_bias=None)) + (bias,)
 
 
 @contextlib.contextmanager
@@ -311,7 +197,7 @@ class VLLMEngine:
             raise ValueError(f"vLLM's engine core cannot run {'in a child process' if separate_core else 'in this process'}"
                              ": this process built an engine of the other kind before")
         self.tokenizer = self.llm.get_tokenizer()
-        self._batcher = _MicroBatcher(self.generate)
+        self._batcher = MicroBatcher(self.generate)
         self._live: dict[str, int] = {}  # continuous batching: vLLM request id -> caller's key
         self._request_ids = itertools.count()
 
@@ -447,154 +333,3 @@ class VLLMEngine:
             self.llm.collective_rpc("refresh_tied_output_layer")
         # Cached prefixes hold keys/values computed by the old weights.
         self.llm.reset_prefix_cache()
-
-
-class _StopOnStrings(StoppingCriteria):
-    """Per-row stopping criterion for transformers `generate`: a row is done once its new text
-    contains a stop string. Records, per row, how many new tokens it had at that moment."""
-
-    def __init__(self, tokenizer, stop: list[str], prompt_len: int):
-        self.tokenizer = tokenizer
-        self.stop = stop
-        self.prompt_len = prompt_len
-        # Decode only the tail: a stop string of n characters ends within its last 4n tokens
-        # (a character takes at most 4 byte-level tokens); every step is checked, so an earlier
-        # occurrence would already have been caught.
-        self.window = 4 * max(map(len, stop)) + 1 if stop else 0
-        self.hits: dict[int, tuple[int, str]] = {}  # row -> (new tokens up to the match, stop string)
-
-    def __call__(self, input_ids: torch.LongTensor, scores, **kwargs) -> torch.BoolTensor:
-        done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
-        new = input_ids[:, self.prompt_len:]
-        if not self.stop or new.shape[1] == 0:
-            return done
-        tails = self.tokenizer.batch_decode(new[:, -self.window:].tolist(), skip_special_tokens=True)
-        for row, text in enumerate(tails):
-            if row not in self.hits:
-                found = [(text.find(s), s) for s in self.stop if s in text]
-                if found:
-                    self.hits[row] = (new.shape[1], min(found)[1])  # the one that starts first
-            done[row] = row in self.hits
-        return done
-
-
-class HFEngine:
-    """transformers `generate` in left-padded batches; same results format as VLLMEngine."""
-
-    continuous = False  # whole batches only
-
-    def __init__(self, model_path: str, device: str = "cpu", dtype: str = "float32", seed: int = 0,
-                 batch_size: int = 32):
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        torch_dtype = dtype if dtype == "auto" else getattr(torch, dtype)
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype).to(device).eval()
-        self.device = device
-        self.batch_size = batch_size
-        eos = self.model.generation_config.eos_token_id
-        eos = eos if eos is not None else self.tokenizer.eos_token_id
-        self.eos_ids = set(eos) if isinstance(eos, list) else {eos}
-        pad = self.tokenizer.pad_token_id
-        self.pad_id = pad if pad is not None else min(self.eos_ids)
-        # transformers samples from torch's global RNG: seed it, as vLLM seeds its engine.
-        torch.manual_seed(seed)
-        self._batcher = _MicroBatcher(self.generate)
-
-    def generate(self, prompts: list[list[int]], sampling: SamplingConfig, stop: list[str]) -> list[Generation]:
-        if sampling.seed is not None:  # rows draw from one stream, so they differ
-            torch.manual_seed(sampling.seed)
-        generations = []
-        for start in range(0, len(prompts), self.batch_size):
-            generations += self._generate_batch(prompts[start:start + self.batch_size], sampling, stop)
-        return generations
-
-    async def generate_one(self, prompt_ids: list[int], sampling: SamplingConfig, stop: list[str]) -> Generation:
-        return await self._batcher.submit(prompt_ids, sampling, stop)
-
-    def reseed(self, seed: int) -> None:  # unseeded calls draw from torch's global stream
-        torch.manual_seed(seed)
-
-    def sleep(self) -> None:  # the HF engine keeps its weights; nothing to free
-        pass
-
-    def wake(self) -> None:
-        pass
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.model.dtype
-
-    @torch.no_grad()  # in-place copies into parameters that require grad
-    def load_weights(self, named_tensors) -> None:
-        params = dict(self.model.named_parameters())
-        for name, tensor in named_tensors:
-            if name in params:
-                params[name].copy_(tensor.to(params[name].device, params[name].dtype))
-
-    @torch.no_grad()
-    def _generate_batch(self, prompts: list[list[int]], sampling: SamplingConfig, stop: list[str]) -> list[Generation]:
-        from transformers import GenerationConfig, StoppingCriteriaList
-
-        prompt_len = max(map(len, prompts))
-        input_ids_BT = torch.full((len(prompts), prompt_len), self.pad_id, dtype=torch.long)
-        attention_mask_BT = torch.zeros_like(input_ids_BT)
-        for row, prompt in enumerate(prompts):  # left padding: every prompt ends at prompt_len
-            input_ids_BT[row, prompt_len - len(prompt):] = torch.tensor(prompt)
-            attention_mask_BT[row, prompt_len - len(prompt):] = 1
-        greedy = sampling.temperature == 0
-        # Added to the raw logits before temperature and top-p, as vLLM applies logit_bias.
-        bias = [[[token], b] for token, b in sampling.logit_bias.items()] if sampling.logit_bias else None
-        config = GenerationConfig(
-            max_new_tokens=sampling.max_tokens,
-            do_sample=not greedy,
-            temperature=None if greedy else sampling.temperature,
-            top_p=None if greedy else sampling.top_p,
-            top_k=None if greedy else 0,  # transformers would otherwise default to top-50; vLLM uses all
-            sequence_bias=bias,
-            eos_token_id=sorted(self.eos_ids),
-            pad_token_id=self.pad_id,
-            output_scores=sampling.logprobs,  # after bias, temperature and top-p: the scores sampled from
-            return_dict_in_generate=True,
-        )
-        stopper = _StopOnStrings(self.tokenizer, stop, prompt_len)
-        out = self.model.generate(
-            input_ids=input_ids_BT.to(self.device),
-            attention_mask=attention_mask_BT.to(self.device),
-            generation_config=config,
-            stopping_criteria=StoppingCriteriaList([stopper]),
-        )
-        new_ids_BN = out.sequences[:, prompt_len:]
-        logprobs_BN = None
-        if sampling.logprobs:
-            scores_BNV = torch.stack(out.scores, dim=1).float().log_softmax(-1)
-            logprobs_BN = scores_BNV.gather(-1, new_ids_BN.unsqueeze(-1)).squeeze(-1).tolist()
-        generations = []
-        for row, new_ids in enumerate(new_ids_BN.tolist()):
-            # Finished rows are padded until the whole batch stops: cut at the first EOS or
-            # stop-string match, whichever came first.
-            eos_at = next((i + 1 for i, t in enumerate(new_ids) if t in self.eos_ids), None)
-            stop_at, stop_str = stopper.hits.get(row, (None, None))
-            if eos_at is not None and (stop_at is None or eos_at <= stop_at):
-                end, finish, stop_reason = eos_at, "stop", None
-            elif stop_at is not None:
-                end, finish, stop_reason = stop_at, "stop", stop_str
-            else:
-                end, finish, stop_reason = len(new_ids), "length", None  # never padded: it ran to the end
-            generations.append(Generation(new_ids[:end], finish, stop_reason,
-                                          None if logprobs_BN is None else logprobs_BN[row][:end]))
-        return generations
-
-
-def create_engine(name: str, model_path: str, *, device: str = "auto", seed: int = 0, key: str = "engine",
-                  **vllm_kw):
-    """The generation engine `name`: "vllm" (VLLMEngine with `vllm_kw`) or "hf" (transformers on
-    `device`: auto takes the GPU when there is one; bf16 on a GPU, fp32 on the CPU). `key` names the
-    setting that chose `name`, for the error."""
-    if name == "vllm":
-        return VLLMEngine(model_path, seed=seed, **vllm_kw)
-    if name == "hf":
-        if device == "auto":
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        return HFEngine(model_path, device=device, dtype="bfloat16" if device == "cuda" else "float32", seed=seed)
-    raise ValueError(f"{key}={name!r}: use vllm or hf")

@@ -1,0 +1,56 @@
+"""The reward function's keyword arguments (reward.reward_kwargs): checked against the options
+dataclass the function declares, every field passed, and a key it does not take refused naming it."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+from verl.config.schema import ConfigError
+from verl.trainer.metrics import reward_kwargs_for
+
+
+@dataclass
+class LengthOptions:
+    target_chars: int = 100     # the response length that scores 1
+    penalty: float = 0.5        # taken off per target_chars of distance
+
+    def __post_init__(self):
+        if self.target_chars <= 0:
+            raise ValueError(f"target_chars = {self.target_chars} must be > 0")
+
+
+def length_reward(data_source, response, ground_truth, *, target_chars=100, penalty=0.5):
+    return 1.0 - penalty * abs(len(response) - target_chars) / target_chars
+
+
+length_reward.Options = LengthOptions
+
+
+def plain_reward(data_source, response, ground_truth):
+    return float(response == ground_truth)
+
+
+def test_the_function_gets_every_option_with_the_given_ones_over_the_defaults():
+    assert reward_kwargs_for(length_reward, None) == {"target_chars": 100, "penalty": 0.5}
+    kwargs = reward_kwargs_for(length_reward, {"penalty": 1})
+    assert kwargs == {"target_chars": 100, "penalty": 1.0} and isinstance(kwargs["penalty"], float)
+    assert length_reward("s", "x" * 50, "", **kwargs) == 0.5
+
+
+@pytest.mark.parametrize("given, message", [
+    ({"penalti": 1.0}, r"reward.reward_kwargs.penalti: the reward function .*length_reward has no such option; "
+                       r"its options here: penalty, target_chars"),
+    ({"target_chars": "long"}, r"reward.reward_kwargs.target_chars: Value 'long'"),
+    ({"target_chars": 0}, r"reward.reward_kwargs: target_chars = 0 must be > 0"),
+])
+def test_an_unknown_mistyped_or_refused_kwarg_names_the_key(given, message):
+    with pytest.raises(ConfigError, match=message):
+        reward_kwargs_for(length_reward, given)
+
+
+def test_a_function_without_options_takes_no_kwargs():
+    assert reward_kwargs_for(plain_reward, {}) == {}
+    with pytest.raises(ConfigError, match=r"reward.reward_kwargs.scale: the reward function .*plain_reward declares "
+                                          r"no options dataclass"):
+        reward_kwargs_for(plain_reward, {"scale": 2})
