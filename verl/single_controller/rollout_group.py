@@ -6,11 +6,13 @@ one rollout worker shares each policy worker's GPU bundle (the GPU's share of ev
 shrinks to make room); with n_gpus_per_node = N > 0 the rollout workers get nnodes × N bundles of
 their own, one whole GPU each, beside the training's.
 
-Pushes (verl.workers.weight_transfer) are made right after each update and not waited for: each
-rollout worker takes its push after the generations asked of it before (Ray runs an actor's calls in
-order), never in the middle of one. The driver checks the pushes the rollout workers have loaded at
-the next push, where their errors surface; with ipc the policy workers then drop the copies they
-held for them, and a push waits for the one k before it, so that at most k copies are held.
+Pushes (verl.workers.weight_transfer) are made right after each update: each rollout worker takes
+its push after the generations asked of it before (Ray runs an actor's calls in order), never in the
+middle of one. Through the object store or CUDA IPC the driver goes on at once and checks the pushes
+the rollout workers have loaded at the next push, where their errors surface; with ipc the policy
+workers then drop the copies they held for them, and a push waits for the one k before it, so that
+at most k copies are held. A broadcast is waited for: the policy workers are in it until the rollout
+workers join.
 """
 from __future__ import annotations
 
@@ -121,7 +123,7 @@ class RolloutGroup:
 
     def push_weights(self, policy, version: int, step: int) -> None:
         """The actor's weights after update `version` to every rollout worker, behind the calls made to
-        it before; returns once the policy workers have handed them over (broadcast: at once)."""
+        it before; returns once the policy workers have handed them over (broadcast: once received)."""
         self.settle(policy, step, wait_up_to=version - self.ahead_steps)
         transport = self.placement.transport
         if transport == WeightTransport.OBJECT_STORE:
@@ -136,6 +138,11 @@ class RolloutGroup:
             loads = [w.receive_weights.remote(self.meta, version) for w in self.workers]
             push = Push(version, loads, [w.broadcast_weights.remote(self.dtype) for w in policy.workers])
         self.inflight.append(push)
+        if transport == WeightTransport.BROADCAST:
+            # The policy workers are in the broadcast until the rollout workers join it, and anything the
+            # driver asks of them next waits for that: wait here, on the rollout workers' side first, so
+            # that one dying fails the run now instead of leaving the policy workers waiting for it.
+            self.settle(policy, step)
 
     def settle(self, policy, step: int | None, wait_up_to: float = float("inf")) -> None:
         """Check the pushes every rollout worker has loaded, oldest first (a failure surfaces here,

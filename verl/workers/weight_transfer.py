@@ -10,9 +10,9 @@
   loaded it (`release_weights`), which is after the generations queued before the push.
 - broadcast: a process group of its own joins the first policy worker (rank 0) and every rollout
   worker (NCCL on GPUs, Gloo on CPU) and the weights are broadcast tensor by tensor, no copy held.
-  A broadcast needs both ends at once: the policy workers wait in it until the rollout workers have
-  finished the generations queued before the push (with k = 1, while the trainer waits for the
-  next batch anyway).
+  A broadcast needs both ends at once: the policy workers (and the driver) wait in it until the
+  rollout workers have finished the generations queued before the push (with k = 1, while the
+  trainer would wait for the next batch anyway).
 
 Every policy rank takes part in the gather (`full_state_dict_iter` is a collective over them); the
 weights of a push are the actor's after the update, whatever the transport.
@@ -27,7 +27,7 @@ import torch
 
 # A broadcast's receivers join it once the generations queued before the push are done: the group
 # waits far longer than a collective usually does. A dead rollout worker still fails the run at
-# once: the driver waits on the rollout workers' own calls first.
+# once: the driver waits on the rollout workers' side of the push, not on this group.
 WEIGHT_GROUP_TIMEOUT = datetime.timedelta(hours=2)
 
 

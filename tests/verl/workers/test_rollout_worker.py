@@ -12,7 +12,9 @@ ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.e2e   # starts a Ray cluster
 
 
-def config(model: str, ahead: int, transport: str = "auto"):
+def config(model: str, ahead: int, transport: str = "auto", own_gpus: int | None = None):
+    """A trainer config of one worker and the transformers engine; `own_gpus`: rollout.n_gpus_per_node
+    (default: 1 where running ahead)."""
     from omegaconf import OmegaConf
 
     from verl.config.load import load_config
@@ -26,7 +28,8 @@ def config(model: str, ahead: int, transport: str = "auto"):
         "algorithm": {"adv_estimator": "grpo", "use_kl_in_reward": False},
         "reward": {"function": "search_r1.rewards:score_for"},
         "trainer": {"device": "cpu", "n_gpus_per_node": 1, "rollout_ahead_steps": ahead},
-        "rollout": {"n_gpus_per_node": 1 if ahead else 0, "weight_transport": transport}}))
+        "rollout": {"n_gpus_per_node": (1 if ahead else 0) if own_gpus is None else own_gpus,
+                    "weight_transport": transport}}))
 
 
 @pytest.fixture(scope="module")
