@@ -143,8 +143,9 @@ def main(argv=None):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests" / "verl" / "trainer"),
                                                         os.environ.get("PYTHONPATH", "")])}
     # one run per --ahead value, in the same setting and against the same retrieval server
-    modes = {k: [f"trainer.rollout_ahead_steps={k}"] + (
-        [f"rollout.n_gpus_per_node={a.rollout_gpus}"] if k and a.rollout_gpus else []) for k in a.ahead or []} or {None: []}
+    modes = {k: [f"trainer.rollout_ahead_steps={k}"]
+             + ([f"rollout.n_gpus_per_node={a.rollout_gpus}"] if k and a.rollout_gpus else []) for k in a.ahead or []}
+    modes = modes or {None: []}   # no --ahead: one run, as the overrides say
     t = time.perf_counter()
     runs = {}
     try:

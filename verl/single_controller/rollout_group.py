@@ -88,9 +88,11 @@ class RolloutGroup:
         self.workers = []
         for rank in range(placement.workers):
             options = placement.actor_options(rank)
-            strategy = PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=options.pop("bundle_index"))
-            self.workers.append(remote.options(scheduling_strategy=strategy, name=f"rollout{group_id}_{rank}_{os.getpid()}",
-                                               **options).remote(rank, cfg, device))
+            strategy = PlacementGroupSchedulingStrategy(self.pg,
+                                                        placement_group_bundle_index=options.pop("bundle_index"))
+            self.workers.append(remote.options(scheduling_strategy=strategy,
+                                               name=f"rollout{group_id}_{rank}_{os.getpid()}", **options)
+                                .remote(rank, cfg, device))
         self.get([w.setup.remote() for w in self.workers], "setup")
         self.dtype = self.get([self.workers[0].engine_dtype.remote()], "setup")[0]
         self.meta = None             # broadcast: what a push sends (name, shape, dtype), in order

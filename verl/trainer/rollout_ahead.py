@@ -60,8 +60,8 @@ class RolloutAhead:
 
     def sampler_state(self, now: dict) -> dict:
         """What a checkpoint keeps of the sampler: its state before the first prompts drawn ahead."""
-        first = min(self.pending, default=None)
-        return now if first is None or self.pending[first].sampler_before is None else self.pending[first].sampler_before
+        first = self.pending[min(self.pending)] if self.pending else None
+        return now if first is None or first.sampler_before is None else first.sampler_before
 
     def restart(self, policy, step: int) -> None:
         """After a resume or a rollback: the rollout workers take the weights loaded into the actor, and

@@ -103,7 +103,8 @@ def test_a_run_ahead_samples_what_the_synchronous_run_samples_across_a_crash_and
     staleness = [r["rollout/staleness"] for r in rows]
     # the first step had nothing to run ahead of; the step after the resume was generated again, from the
     # checkpoint's weights; the others came from the weights before the update of the step before them
-    assert staleness[0] == 0 and staleness[saved] == 0 and all(s == 1 for s in staleness[1:saved] + staleness[saved + 1:])
+    assert staleness[0] == 0 and staleness[saved] == 0
+    assert all(s == 1 for s in staleness[1:saved] + staleness[saved + 1:])
     order = [json.loads(line) for line in (out / "data_order.jsonl").read_text().splitlines()]
     assert [o["step"] for o in order] == [1, 2, 3]   # what the crashed run drew ahead was dropped, then drawn again
 
