@@ -7,8 +7,13 @@ with sleep/wake and in-memory weight sync, FSDP2 actor, reference) for a few ste
 per-phase timings from its metrics.
 
     python benchmarks/bench_grpo_step.py --shape 0.5b --steps 2 --prompts 64 --n 5   # one GPU
+    python benchmarks/bench_grpo_step.py --shape 0.5b --steps 4 --ahead 0 1           # synchronous vs one ahead
     python benchmarks/bench_grpo_step.py --quick                                     # CPU (CI)
     python benchmarks/bench_grpo_step.py --shape 3b --gpus 4 --prompts 256 --n 5 --dense-rows 21015324 …
+
+`--ahead 0 1` runs the same steps synchronously and with the rollout one step ahead of the update
+(trainer.rollout_ahead_steps; `--rollout-gpus N`: on N GPUs of its own instead of beside the policy
+workers), one row per step and mode, for a comparison in one call.
 
 A random policy never writes `<search>`. `--search-every N` makes it search as a trained one does:
 `<search>` and `</search>` become single tokens of the model's tokenizer, and the trainer's
@@ -67,6 +72,10 @@ def main(argv=None):
                    "(random e5-shaped encoder, this many 768-dim vectors sharded over the run's GPUs, e.g. 21015324)")
     p.add_argument("--server-tokenizer", default="all-MiniLM-L6-v2",
                    help="a BERT-vocabulary tokenizer for --dense-rows' encoder")
+    p.add_argument("--ahead", type=int, nargs="+", help="trainer.rollout_ahead_steps of each run, one run per "
+                   "value in the same setting (0: synchronous); default: one run as the overrides say")
+    p.add_argument("--rollout-gpus", type=int, default=0, help="runs ahead: GPUs of the rollout workers' own "
+                   "(rollout.n_gpus_per_node) beside the --gpus of the training; 0: beside the policy workers")
     p.add_argument("--workdir", default="outputs/bench_grpo")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--out")
@@ -103,7 +112,6 @@ def main(argv=None):
                                work / "retrieval.log")
     retriever_url = a.retriever_url or f"{server.url}/retrieve"
     gpu = not a.quick
-    run_dir = work / f"run_{a.shape}_{int(time.time())}"
     if (a.prompts * a.n) % (a.mini_batches * a.gpus):
         raise SystemExit(f"--prompts × --n = {a.prompts * a.n} trajectories do not split into {a.mini_batches} "
                          f"mini-batches on {a.gpus} GPUs")
@@ -129,28 +137,46 @@ def main(argv=None):
             f"max_turns={a.max_turns}", f"retriever.url={retriever_url}",
             f"trainer.n_gpus_per_node={a.gpus}", f"trainer.device={'cuda' if gpu else 'cpu'}",
             f"trainer.total_training_steps={a.steps}", "trainer.val_before_train=false",
-            "trainer.save_freq=-1", "trainer.logger=[console,jsonl]", f"trainer.default_local_dir={run_dir}",
-            f"hydra.run.dir={run_dir / 'hydra'}", *a.overrides]
+            "trainer.save_freq=-1", "trainer.logger=[console,jsonl]", *a.overrides]
     if bias:
         args.append("actor_rollout_ref.rollout.logit_bias={" + ",".join(f"{t}:{b}" for t, b in bias.items()) + "}")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests" / "verl" / "trainer"),
                                                         os.environ.get("PYTHONPATH", "")])}
+    # one run per --ahead value, in the same setting and against the same retrieval server
+    modes = {k: [f"trainer.rollout_ahead_steps={k}"]
+             + ([f"rollout.n_gpus_per_node={a.rollout_gpus}"] if k and a.rollout_gpus else []) for k in a.ahead or []}
+    modes = modes or {None: []}   # no --ahead: one run, as the overrides say
     t = time.perf_counter()
+    runs = {}
     try:
-        r = subprocess.run([sys.executable, "-m", "verl.trainer.main_ppo", *args], cwd=ROOT, env=env)
+        for k, mode_args in modes.items():
+            run_dir = work / f"run_{a.shape}{'' if k is None else f'_ahead{k}'}_{int(time.time())}"
+            r = subprocess.run([sys.executable, "-m", "verl.trainer.main_ppo", *args, *mode_args,
+                                f"trainer.default_local_dir={run_dir}", f"hydra.run.dir={run_dir / 'hydra'}"],
+                               cwd=ROOT, env=env)
+            if r.returncode:
+                raise SystemExit(f"training failed (exit {r.returncode}); see the log above")
+            runs[k] = run_dir
     finally:
         if server is not None:
             server.stop()
-    if r.returncode:
-        raise SystemExit(f"training failed (exit {r.returncode}); see the log above")
-    rows = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
     import torch
     device = torch.cuda.get_device_name() if gpu and torch.cuda.is_available() else "cpu"
+    for k, run_dir in runs.items():
+        emit_rows(a, device, bias, k, run_dir)
+    print(f"wall {time.perf_counter() - t:.0f} s")
+
+
+def emit_rows(a, device: str, bias: dict, ahead: int | None, run_dir: Path) -> None:
+    """One row per step of the run in `run_dir` (`ahead`: its --ahead value, None without one)."""
+    rows = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
     for row in rows:
         phases = {k.removeprefix("timing_s/"): round(v, 3) for k, v in row.items() if k.startswith("timing_s/")}
         out = {"device": device, "shape": a.shape, "gpus": a.gpus, "prompts": a.prompts, "n": a.n,
                "mini_batches": a.mini_batches,
                "search_every": a.search_every, "tag_bias": bias or None, "overrides": a.overrides,
+               **({} if ahead is None else {"rollout_ahead_steps": ahead,
+                                            "rollout_gpus": a.rollout_gpus if ahead else 0}),
                "step": row["step"], "phases_s": phases,
                **{k: round(row[k], 4) for k in ("reward/mean", "grad_norm", "kl_loss", "response/length",
                                                  "agent/searches", "agent/turns", "agent/retrieval_s",
@@ -159,11 +185,11 @@ def main(argv=None):
                                                  "response/observation_tokens",
                                                  "throughput/generated_tokens_per_s",
                                                  "throughput/train_tokens_per_s", "throughput/mfu_actor_update",
-                                                 "rollout_is_mean", "rollout_is_kl", "rollout_is_truncated")
+                                                 "rollout_is_mean", "rollout_is_kl", "rollout_is_truncated",
+                                                 "rollout/staleness", "rollout/generate_s")
                   if k in row},
                **{k: round(v, 2) for k, v in row.items() if k.startswith(("memory/", "critic/memory/"))}}
         emit_row(out, a.out)
-    print(f"wall {time.perf_counter() - t:.0f} s")
 
 
 if __name__ == "__main__":

@@ -17,6 +17,10 @@ before calling a change to a GPU path done. Parts:
                   Dr.GRPO advantages)
 - grpo-0.5b       two GRPO steps of a Qwen2.5-0.5B-shaped model through `verl.trainer.main_ppo` (Ray),
                   two optimizer steps in each; the second rollout follows a weight sync
+- grpo-0.5b-ahead three such steps with the rollout one step ahead (trainer.rollout_ahead_steps=1): a
+                  rollout worker beside the policy worker on its GPU, its engine awake throughout, the
+                  weights pushed as CUDA IPC handles; the steps after the first train on batches one
+                  update old
 - dense-server    `search-r1 index build` on the GPU and `search-r1 serve` over that dense index,
                   answering concurrent requests
 
@@ -117,6 +121,13 @@ def parts(out: Path, gpu_count: int, tokenizer: str) -> list[Part]:
                                  "actor_rollout_ref.actor.entropy_coeff=0.001",
                                  "actor_rollout_ref.rollout.top_p=0.95")],
              lambda: expect_rows(out / "grpo.jsonl", 2)),
+        Part("grpo-0.5b-ahead", 1, [sh(PY, ROOT / "benchmarks" / "bench_grpo_step.py", "--shape", "0.5b", "--steps", 3,
+                                       "--prompts", 8, "--n", 4, "--max-turns", 2, "--search-every", 100, "--ahead", 1,
+                                       "--workdir", out / "grpo_ahead", "--out", out / "grpo_ahead.jsonl",
+                                       "actor_rollout_ref.actor.entropy_coeff=0.001",
+                                       # the engine keeps its memory beside the actor's
+                                       "actor_rollout_ref.rollout.gpu_memory_utilization=0.3")],
+             lambda: expect_ahead(out / "grpo_ahead.jsonl", 3)),
         Part("dense-server", 1, [
             sh(PY, "-m", "search_r1.cli", "index", "build", "--corpus_path", corpus, "--out", dense,
                "--retriever_model", enc),
@@ -140,6 +151,14 @@ def expect_file(path: Path) -> str | None:
 def expect_rows(path: Path, n: int) -> str | None:
     rows = path.read_text().splitlines() if path.exists() else []
     return None if len(rows) >= n else f"{len(rows)} step rows in {path}, expected {n}"
+
+
+def expect_ahead(path: Path, n: int) -> str | None:
+    """n steps, the first on its own batch, the others on batches generated one update before."""
+    if error := expect_rows(path, n):
+        return error
+    staleness = [json.loads(line).get("rollout/staleness") for line in path.read_text().splitlines()]
+    return None if staleness == [0] + [1] * (n - 1) else f"rollout/staleness per step {staleness}, expected 0, then 1"
 
 
 def expect_no_skips(log: Path, gpu_count: int) -> str | None:

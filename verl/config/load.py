@@ -10,8 +10,8 @@ import math
 from omegaconf import OmegaConf
 
 from verl.config.compat import ENV_VAR, CompatError, apply_tables, compat_tables, unused_on_command_line
-from verl.config.schema import (FILTER_METRICS, TOOL_LOOP, VLLM_ARGS_WITH_KEYS, ConfigError, HealthConfig,
-                                 OverlongBufferConfig, TrainerConfig)
+from verl.config.schema import (FILTER_METRICS, TOOL_LOOP, VLLM_ARGS_WITH_KEYS, WEIGHT_TRANSPORTS, ConfigError,
+                                 HealthConfig, OverlongBufferConfig, TrainerConfig)
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +41,50 @@ def load_config(raw) -> TrainerConfig:
     if cfg.algorithm.use_kl_in_reward is None:
         cfg.algorithm.use_kl_in_reward = not cfg.actor_rollout_ref.actor.use_kl_loss
     _check_dapo_keys(cfg)
+    _check_rollout_ahead(cfg)
     return cfg
+
+
+def _check_rollout_ahead(cfg: TrainerConfig) -> None:
+    """trainer.rollout_ahead_steps and the rollout workers' keys (rollout.*). Running ahead trains on
+    samples of older weights, which the truncated importance weights correct: the engine's log-probs
+    are switched on (null, the default, resolves here), and an explicit false is refused."""
+    k, rollout, place = cfg.trainer.rollout_ahead_steps, cfg.actor_rollout_ref.rollout, cfg.rollout
+    if k < 0:
+        raise ConfigError(f"trainer.rollout_ahead_steps={k}: give how many steps the rollout may run ahead of the "
+                          "update (0: synchronous)")
+    if place.weight_transport not in ("auto", *WEIGHT_TRANSPORTS):
+        raise ConfigError(f"rollout.weight_transport={place.weight_transport!r}: use auto or one of "
+                          + ", ".join(f"{name} ({what})" for name, what in WEIGHT_TRANSPORTS.items()))
+    if place.nnodes < 1 or place.n_gpus_per_node < 0:
+        raise ConfigError(f"rollout.nnodes={place.nnodes}, rollout.n_gpus_per_node={place.n_gpus_per_node}: at least "
+                          "1 node, and 0 GPUs of their own (beside the policy workers) or more")
+    if k == 0:
+        if place.n_gpus_per_node:
+            raise ConfigError(f"rollout.n_gpus_per_node={place.n_gpus_per_node} gives rollout workers GPUs of their "
+                              "own, which only trainer.rollout_ahead_steps >= 1 uses: set it (e.g. 1) or drop the key")
+        rollout.calculate_log_probs = bool(rollout.calculate_log_probs)
+        return
+    if rollout.calculate_log_probs is False:
+        raise ConfigError(f"actor_rollout_ref.rollout.calculate_log_probs=false with trainer.rollout_ahead_steps={k}: "
+                          "a rollout that runs ahead samples from weights up to k updates older than the actor's, "
+                          "and the engine's log-probs are what corrects for it (truncated importance weights); "
+                          "drop the key or set trainer.rollout_ahead_steps=0")
+    rollout.calculate_log_probs = True
+    refused = {"trainer.single_process=true": cfg.trainer.single_process,
+               "algorithm.filter_groups.enable=true": cfg.algorithm.filter_groups.enable,
+               f"actor_rollout_ref.rollout.tensor_model_parallel_size={rollout.tensor_model_parallel_size}":
+                   rollout.tensor_model_parallel_size != 1}
+    for setting, on in refused.items():
+        if on:
+            raise ConfigError(f"{setting} cannot go with trainer.rollout_ahead_steps={k}: rollout workers are Ray "
+                              "actors of one engine each, generating whole steps ahead (no single process, no "
+                              "generation batches drawn during a step, no engine over several GPUs); set "
+                              "trainer.rollout_ahead_steps=0 or change the key")
+    if place.weight_transport == "ipc" and place.n_gpus_per_node:
+        raise ConfigError("rollout.weight_transport=ipc hands CUDA IPC handles to a rollout worker on the same GPU, "
+                          f"but rollout.n_gpus_per_node={place.n_gpus_per_node} gives the rollout workers GPUs of "
+                          "their own: use broadcast or object_store (or auto)")
 
 
 def _check_dapo_keys(cfg: TrainerConfig) -> None:

@@ -213,10 +213,12 @@ class RolloutConfig:
                                            "a GPU")
     enable_sleep: bool = key(True, "vLLM on a GPU: free the engine's memory (KV cache, weights) while the actor "
                                    "trains")
-    calculate_log_probs: bool = key(False, "keep the engine's log-prob of every sampled token and weight the "
-                                           "actor's loss by truncated importance ratios against them "
-                                           "(actor.rollout_is_cap), correcting for the engine's numerics differing "
-                                           "from the trainer's; logged as rollout_is_*")
+    calculate_log_probs: bool | None = key(None, "keep the engine's log-prob of every sampled token and weight the "
+                                                  "actor's loss by truncated importance ratios against them "
+                                                  "(actor.rollout_is_cap), correcting for the engine's numerics "
+                                                  "differing from the trainer's and for samples of older weights; "
+                                                  "logged as rollout_is_*. null: on with trainer.rollout_ahead_steps "
+                                                  ">= 1 (where false is refused), else off")
     log_prob_micro_batch_size: int = key(128, "the original's micro-batch of the old log-probs: checked to be a "
                                               "positive multiple of the workers, otherwise unused (old log-probs "
                                               "run in actor.ppo_micro_batch_size micro-batches)")
@@ -482,7 +484,37 @@ class RunConfig:
     ray_address: str | None = key(None, "null: start a local Ray; auto or host:port: join a running cluster")
     single_process: bool = key(False, "one worker inside the driver, no Ray (one GPU or CPU)")
     seed: int = key(1, "seed of torch and of the rollout engines' sampling (plus the worker's rank)")
+    rollout_ahead_steps: int = key(0, "k: how many training steps the rollout may run ahead of the update. 0: "
+                                      "synchronous (each policy worker's colocated engine generates, then sleeps "
+                                      "while the actor trains). >= 1: rollout workers in processes of their own "
+                                      "(placed by the top-level rollout.* keys) generate the next steps' batches "
+                                      "while the trainer updates, each batch from weights at most k actor updates "
+                                      "old (rollout/staleness), corrected by truncated importance weights "
+                                      "(actor_rollout_ref.rollout.calculate_log_probs)")
     health: HealthConfig = key_factory(HealthConfig, "collapse signs watched every step and the response to them")
+
+
+WEIGHT_TRANSPORTS = {
+    "object_store": "the first policy worker puts the full weights (CPU, the engine's dtype) into Ray's object "
+                    "store and each rollout worker reads them; works anywhere",
+    "ipc": "each policy worker hands the rollout worker on its GPU CUDA IPC handles of a full copy of the weights "
+           "(shared GPUs only)",
+    "broadcast": "a process group of the first policy worker and the rollout workers (NCCL on GPUs, Gloo on CPU) "
+                 "broadcasts the weights tensor by tensor",
+}
+
+
+@dataclass
+class RolloutPlacementConfig:
+    """Where the rollout workers of trainer.rollout_ahead_steps >= 1 run (verl's one-step-off keys for their
+    GPUs) and how the actor's weights reach them."""
+    nnodes: int = key(1, "verl's: nodes of the rollout workers' own GPUs (with n_gpus_per_node > 0)")
+    n_gpus_per_node: int = key(0, "verl's: GPUs of the rollout workers' own per node (on CPU: processes), one "
+                                  "worker each; 0: no GPUs of their own, one rollout worker beside each policy "
+                                  "worker on its GPU (the engine then keeps its memory while the actor trains)")
+    weight_transport: str = key("auto", "how the weights pushed after each update reach the rollout workers: "
+                                        + "; ".join(f"{k}: {v}" for k, v in WEIGHT_TRANSPORTS.items())
+                                        + "; auto: ipc on shared GPUs, broadcast across GPUs, object_store on CPU")
 
 
 @dataclass
@@ -496,3 +528,5 @@ class TrainerConfig:
     reward_model: RewardModelConfig = key_factory(RewardModelConfig, "the original's and verl's reward_model keys: "
                                                  "enable (false only) and overlong_buffer")
     trainer: RunConfig = key_factory(RunConfig, "run length, workers, logging and checkpoints")
+    rollout: RolloutPlacementConfig = key_factory(RolloutPlacementConfig, "the rollout workers of "
+                                                  "trainer.rollout_ahead_steps >= 1: their GPUs and weight transport")

@@ -98,7 +98,8 @@ def private_auth_token(create: bool) -> Path | None:
     return path if path.exists() else None
 
 
-def leftover_workers(titles: tuple[bytes, ...] = (b"ray::PolicyWorker", b"ray::CriticWorker")) -> list[int]:
+def leftover_workers(titles: tuple[bytes, ...] = (b"ray::PolicyWorker", b"ray::CriticWorker",
+                                                  b"ray::RolloutWorker")) -> list[int]:
     """PIDs of this node's processes that Ray titled as one of our workers (Linux /proc; [] elsewhere)."""
     pids = []
     for proc in Path("/proc").glob("[0-9]*"):
@@ -130,21 +131,28 @@ class WorkerGroup:
     def get(self, refs, what: str, step: int | None = None):
         """The results of remote calls on this group's workers; a dead worker becomes an error that
         names it, what it was doing and the step."""
-        try:
-            return ray.get(refs)
-        except ray.exceptions.RayActorError as e:
-            dead = [i for i, r in enumerate(refs) if _failed(r)]
-            raise WorkerDied(f"{self.name} worker(s) {dead or '?'} died during {what}"
-                             f"{'' if step is None else f' at step {step}'}: {e}. The next run with "
-                             "trainer.resume_mode=auto resumes from the last checkpoint.") from None
+        return get_or_name_the_dead(self.name, refs, what, step)
+
+
+def get_or_name_the_dead(name: str, refs, what: str, step: int | None = None):
+    """`ray.get(refs)` of calls on the workers of group `name`, refs[i] on worker i; a dead worker
+    (Ray's ActorDiedError) becomes an error that names it, what it was doing and the step."""
+    try:
+        return ray.get(refs)
+    except ray.exceptions.RayActorError as e:
+        dead = [i for i, r in enumerate(refs) if _failed(r)]
+        raise WorkerDied(f"{name} worker(s) {dead or '?'} died during {what}"
+                         f"{'' if step is None else f' at step {step}'}: {e}. The next run with "
+                         "trainer.resume_mode=auto resumes from the last checkpoint.") from None
 
 
 _PG_CACHE: dict = {}
 
 
-def _placement_group(world: int, resources: dict):
-    """One placement group per size, shared by the groups that colocate on the same GPUs."""
-    key = (world, tuple(sorted(resources.items())))
+def _placement_group(world: int, resources: dict, of: str = "training"):
+    """One placement group per size, shared by the groups that colocate on the same GPUs; `of` keeps
+    the GPUs of rollout workers of their own apart from the training's."""
+    key = (of, world, tuple(sorted(resources.items())))
     if key not in _PG_CACHE:
         pg = placement_group([dict(resources) for _ in range(world)], strategy="PACK")
         ray.get(pg.ready(), timeout=600)

@@ -28,6 +28,7 @@ def run(raw: DictConfig) -> None:
     from verl.config.sizes import derive_sizes
     from verl.core_algos import AdvEstimator
     from verl.single_controller.ray_group import LocalWorkerGroup, WorkerGroup, start_ray
+    from verl.single_controller.rollout_group import RolloutGroup, rollout_placement
     from verl.trainer.metrics import load_reward_fn, reward_kwargs_for
     from verl.trainer.ppo_trainer import PPOTrainer
     from verl.utils.dataset import PromptSampler, load_examples
@@ -35,6 +36,7 @@ def run(raw: DictConfig) -> None:
     from verl.workers.critic_worker import CriticWorker
     from verl.workers.policy_worker import PolicyWorker
     from verl.workers.rollout.loop_from_config import agent_loop_settings, load_agent_loop
+    from verl.workers.rollout_worker import RolloutWorker
 
     cfg = load_config(raw)
     try:  # a tracker whose package is missing stops the run now, not after the workers have loaded
@@ -82,7 +84,10 @@ def run(raw: DictConfig) -> None:
              sizes.world, device)
 
     needs_critic = cfg.algorithm.adv_estimator == AdvEstimator.GAE
-    share = 0.5 if needs_critic else 1.0
+    # trainer.rollout_ahead_steps >= 1: rollout workers of their own, beside the policy's or on GPUs of their own
+    placement = (rollout_placement(cfg.rollout, device, sizes.world, needs_critic)
+                 if run_cfg.rollout_ahead_steps else None)
+    share = placement.training_share if placement else 0.5 if needs_critic else 1.0
     args = (cfg, sizes, total_steps, device)
     if run_cfg.single_process:
         group_cls = LocalWorkerGroup
@@ -91,26 +96,34 @@ def run(raw: DictConfig) -> None:
         group_cls = WorkerGroup
     policy = group_cls(PolicyWorker, sizes.world, device, share, "policy", *args)
     critic = group_cls(CriticWorker, sizes.world, device, share, "critic", *args) if needs_critic else None
-    plan_memory(policy, critic)
+    rollout = RolloutGroup(RolloutWorker, placement, cfg, device) if placement else None
+    n_params = sum(p.numel() for p in _count_params(cfg.actor_rollout_ref.model.path))
+    if rollout is not None:
+        rollout.connect(policy)
+    # after the rollout workers' engines took their memory: beside the policy's they do not sleep
+    plan_memory(policy, critic, rollout.held_weight_bytes(n_params) if rollout else 0.0)
     device_name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     os.makedirs(run_cfg.default_local_dir, exist_ok=True)
     OmegaConf.save(raw, os.path.join(run_cfg.default_local_dir, "config.yaml"))
     tracker = Tracker(run_cfg.logger, run_cfg.default_local_dir, run_cfg.project_name,
                       run_cfg.experiment_name, OmegaConf.to_container(raw, resolve=True))
-    n_params = sum(p.numel() for p in _count_params(cfg.actor_rollout_ref.model.path))
     trainer = PPOTrainer(cfg, sizes, policy, critic, sampler, val, tracker, total_steps, device_name,
-                         n_params)
+                         n_params, rollout)
     trainer.fit()
+    if rollout is not None:
+        rollout.shutdown(policy)
     policy.get([w.shutdown.remote() for w in policy.workers], "shutdown")
 
 
-def plan_memory(policy, critic) -> None:
+def plan_memory(policy, critic, held_weights: float = 0.0) -> None:
     """Each role measures its token budgets now that every role on the GPUs holds its weights and the
-    engines sleep (verl.workers.memory), told what the other role will still allocate."""
+    engines sleep (verl.workers.memory), told what the other role will still allocate. `held_weights`:
+    what each policy worker holds for weight pushes not yet loaded (trainer.rollout_ahead_steps)."""
     def pending(group):
         return max(group.get([w.pending_bytes.remote() for w in group.workers], "memory plan")) if group else 0.0
-    critic_pending, policy_pending = pending(critic), pending(policy)
-    notes = policy.get([w.plan_memory.remote(critic_pending) for w in policy.workers], "memory plan")[0]
+    critic_pending, policy_pending = pending(critic), pending(policy) + held_weights
+    notes = policy.get([w.plan_memory.remote(critic_pending + held_weights) for w in policy.workers],
+                       "memory plan")[0]
     if critic is not None:
         notes += critic.get([w.plan_memory.remote(policy_pending) for w in critic.workers], "memory plan")[0]
     for note in notes:   # rank 0's: the others agree on the budgets

@@ -8,6 +8,8 @@ wall-clock limit (`trainer.time_limit_minutes`) that makes the step running when
 last one. With algorithm.filter_groups (DAPO's dynamic sampling) the rollout and reward repeat on
 the sampler's next prompts until enough groups have rewards that differ; a step then consumes more
 prompts than data.train_batch_size, and a run of total_training_steps goes further into the data.
+With trainer.rollout_ahead_steps = k >= 1 rollout workers of their own generate the next k steps'
+batches while a step trains (verl.trainer.rollout_ahead), and the weights go to them after each update.
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ from verl.trainer.health import HealthWatch, Unhealthy, non_finite_metrics
 from verl.trainer.metrics import (PEAK_FLOPS, Timer, load_reward_fn, merge_worker_metrics, reward_kwargs_for,
                                   score_trajectories, takes_extra_info, throughput_metrics, write_samples)
 from verl.trainer.resume import Checkpoints, trim_data_order
+from verl.trainer.rollout_ahead import RolloutAhead
 from verl.utils.dataset import Example, PromptSampler
 
 log = logging.getLogger(__name__)
@@ -44,9 +47,14 @@ class ToolFailures(RuntimeError):
 class PPOTrainer:
     def __init__(self, cfg: TrainerConfig, sizes: Sizes, policy, critic, sampler: PromptSampler,
                  val_examples: list[Example] | None, tracker, total_steps: int, device_name: str,
-                 n_params: int | None = None):
-        """`n_params`: the policy's parameter count, for the MFU estimate (None: no estimate)."""
+                 n_params: int | None = None, rollout=None):
+        """`n_params`: the policy's parameter count, for the MFU estimate (None: no estimate); `rollout`:
+        the rollout workers' group (trainer.rollout_ahead_steps >= 1), else None."""
         self.cfg, self.sizes, self.policy, self.critic = cfg, sizes, policy, critic
+        self.generators = rollout or policy   # whose workers generate
+        self.ahead = None if rollout is None else RolloutAhead(
+            rollout, cfg.trainer.rollout_ahead_steps, lambda examples, step: self.rollout_calls(
+                examples, cfg.actor_rollout_ref.rollout.n_agent, False, step, logprobs=True))
         self.sampler, self.val_examples = sampler, val_examples
         self.tracker, self.total_steps = tracker, total_steps
         self.reward_fn = load_reward_fn(cfg.reward.function)
@@ -86,6 +94,7 @@ class PPOTrainer:
                                      logprobs=self.cfg.actor_rollout_ref.rollout.calculate_log_probs)
             with timer("reward"):
                 batch.rewards_B, metrics = self.score(batch)
+        metrics |= self.roll_ahead()   # k >= 1: the next steps' rollouts start now, beside this step's update
         batch, balance = self.balance(batch)
         with timer("reward"):
             metrics |= self.drop_failed_tool_calls(batch)
@@ -114,7 +123,7 @@ class PPOTrainer:
                     self.policy, batch, lambda w, part: w.update_actor.remote(part), "actor update"))
         if actor_learns:
             with timer("weight_sync"):
-                self.policy.get([w.sync_weights.remote() for w in self.policy.workers], "weight sync", self.step)
+                self.push_weights()
         return (metrics | balance | self.throughput(batch, timer.seconds, generated)
                 | {f"timing_s/{k}": v for k, v in timer.seconds.items()})
 
@@ -185,11 +194,12 @@ class PPOTrainer:
             return torch.tensor(batch.info["score"], dtype=torch.float64)
         return batch.rewards_B   # seq_reward, seq_final_reward (checked at start-up: no KL in the reward)
 
-    def draw_prompts(self, gen_batch: int = 1) -> list[Example]:
-        """The sampler's next batch, listed in data_order.jsonl under the step it is drawn for (and
-        its generation batch, counted from 1, with algorithm.filter_groups)."""
+    def draw_prompts(self, gen_batch: int = 1, step: int | None = None) -> list[Example]:
+        """The sampler's next batch, listed in data_order.jsonl under the step it is drawn for (the
+        next one, or `step` when drawn ahead) and its generation batch, counted from 1, with
+        algorithm.filter_groups."""
         examples = self.sampler.next_batch()
-        row = {"step": self.step + 1, "indices": [e.index for e in examples]}
+        row = {"step": step or self.step + 1, "indices": [e.index for e in examples]}
         if self.cfg.algorithm.filter_groups.enable:
             row["gen_batch"] = gen_batch
         with open(os.path.join(self.out_dir, "data_order.jsonl"), "a") as f:  # for audits of resume
@@ -204,7 +214,7 @@ class PPOTrainer:
         example, in equal contiguous parts. `gen_batch`: the step's generation batch, counted from 0
         (more than one with algorithm.filter_groups), each with seeds of its own."""
         rows = [e for e in examples for _ in range(n)]
-        world = len(self.policy.workers)
+        world = len(self.generators.workers)
         rows_per_worker = -(-len(rows) // world)
         rollout_cfg = self.cfg.actor_rollout_ref.rollout
         temperature, top_p = (0.0, 1.0) if greedy else (rollout_cfg.temperature, rollout_cfg.top_p)
@@ -215,13 +225,42 @@ class PPOTrainer:
         parts = [rows[i * rows_per_worker:(i + 1) * rows_per_worker] for i in range(world)]
         return [(w, ([e.prompt_ids for e in part], [e.index for e in part], temperature, top_p,
                      self.cfg.data.max_response_length, (seed + 100_003 * i) % 2**31, logprobs))
-                for i, (w, part) in enumerate(zip(self.policy.workers, parts)) if part]
+                for i, (w, part) in enumerate(zip(self.generators.workers, parts)) if part]
 
     def rollout(self, examples: list[Example], n: int, greedy: bool, logprobs: bool = False,
                 gen_batch: int = 0) -> RolloutBatch:
+        if self.ahead is not None and not greedy:   # a training step's batch: generated ahead, or asked for now
+            if self.step + 1 not in self.ahead.pending:   # (the first step; the first after a resume)
+                self.ahead.submit(self.step + 1, examples, None)
+            return self.with_reward_inputs(self.ahead.take(self.step + 1), examples, n)
         calls = self.rollout_calls(examples, n, greedy, self.step + 1, logprobs, gen_batch)
-        parts = self.policy.get([w.generate.remote(*args) for w, args in calls], "rollout", self.step)
+        parts = self.generators.get([w.generate.remote(*args) for w, args in calls], "rollout", self.step)
         return self.with_reward_inputs(RolloutBatch.concat(parts), examples, n)
+
+    def roll_ahead(self) -> dict:
+        """trainer.rollout_ahead_steps = k >= 1: ask the rollout workers for the rollouts of the steps up
+        to k after this one that are not asked for yet, their prompts drawn now; they generate with the
+        weights pushed so far while this step trains. The staleness of this step's batch."""
+        if self.ahead is None:
+            return {}
+        for step in range(self.step + 2, min(self.step + 1 + self.ahead.steps, self.total_steps) + 1):
+            if step not in self.ahead.pending:
+                before = self.sampler.state()
+                self.ahead.submit(step, self.draw_prompts(step=step), before)
+        return self.ahead.metrics()
+
+    def next_examples(self) -> list[Example]:
+        """The next step's prompts: drawn ahead with its rollout, or now."""
+        ahead = self.ahead.pending.get(self.step + 1) if self.ahead is not None else None
+        return ahead.examples if ahead is not None else self.draw_prompts()
+
+    def push_weights(self) -> None:
+        """The actor's new weights into the engines, in memory: each policy worker's own (k = 0), or the
+        rollout workers', each after the generations asked of it before (never in the middle of one)."""
+        if self.ahead is None:
+            self.policy.get([w.sync_weights.remote() for w in self.policy.workers], "weight sync", self.step)
+        else:
+            self.ahead.push(self.policy, self.step)
 
     @staticmethod
     def with_reward_inputs(batch: RolloutBatch, examples: list[Example], n: int) -> RolloutBatch:
@@ -306,6 +345,8 @@ class PPOTrainer:
         return group.get([call(w, part) for w, part in zip(group.workers, parts)], what, self.step)
 
     def throughput(self, batch: RolloutBatch, seconds: dict, generated: int | None = None) -> dict:
+        if self.ahead is not None:   # the rollout workers' time generating, not the step's wait for it
+            seconds = seconds | {"rollout": self.ahead.generate_s}
         return throughput_metrics(batch, seconds, self.n_params, self.peak_flops,
                                   self.cfg.actor_rollout_ref.actor.ppo_epochs, self.sizes.world, generated)
 
@@ -326,7 +367,8 @@ class PPOTrainer:
         write_samples(batch, os.path.join(self.out_dir, "samples", f"{name}.jsonl"), self.step, limit)
 
     def save(self):
-        state = {"step": self.step, "sampler": self.sampler.state(), "kl_coef": float(self.kl_ctrl.value),
+        sampler = self.sampler.state() if self.ahead is None else self.ahead.sampler_state(self.sampler.state())
+        state = {"step": self.step, "sampler": sampler, "kl_coef": float(self.kl_ctrl.value),
                  "health": self.health.state(), "lr_scale": self.lr_scale}
         self.checkpoints.save(self.step, state)
 
@@ -343,6 +385,8 @@ class PPOTrainer:
             if "health" in state:
                 self.health.restore(state["health"])
                 self.lr_scale = state["lr_scale"]
+            if self.ahead is not None:   # the rollout workers take the checkpoint's weights
+                self.ahead.restart(self.policy, self.step)
         # Also with no checkpoint at all: the steps a crashed run logged before its first save are redone.
         trim_data_order(self.out_dir, self.step)
         self.tracker.rewind(self.step)
@@ -397,6 +441,8 @@ class PPOTrainer:
             self.tracker.log(metrics, step=self.step)  # the signs show next to the steps before them
             raise Unhealthy(f"{what}. {reason}.")
         self.health.rolled_back(target)
+        if self.ahead is not None:   # what runs ahead came from the weights rolled away from
+            self.ahead.restart(self.policy, self.step)
         self.lr_scale *= health_cfg.lr_factor
         for group in (self.policy, self.critic):
             if group is not None:
@@ -440,7 +486,7 @@ class PPOTrainer:
             self.health.saved(0, healthy=True)
         with tqdm(total=self.total_steps, initial=self.step, desc="training", unit="step") as bar:
             while self.step < self.total_steps:
-                examples = self.draw_prompts()
+                examples = self.next_examples()
                 profiled = self.step + 1 in run.profile_steps
                 if profiled:
                     self.profile("start")

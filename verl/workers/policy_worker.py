@@ -1,5 +1,6 @@
-"""The policy's worker process, one per GPU: the FSDP2 actor, the colocated rollout engine and the
-reference model. The driver calls it through Ray (verl.single_controller.ray_group); every method
+"""The policy's worker process, one per GPU: the FSDP2 actor, the colocated rollout engine (with
+trainer.rollout_ahead_steps = 0; else the rollout workers generate, verl.workers.rollout_worker) and
+the reference model. The driver calls it through Ray (verl.single_controller.ray_group); every method
 takes and returns plain data (RolloutBatch on CPU, dicts of floats)."""
 from __future__ import annotations
 
@@ -9,12 +10,14 @@ import time
 
 import torch
 
-from verl.batch import RolloutBatch, pack_trajectories
+from verl.batch import RolloutBatch
 from verl.config.load import agent_loop_spec
 from verl.config.schema import TrainerConfig
 from verl.config.sizes import Sizes
 from verl.utils.profiling import phase
+from verl.workers.generation import sample_trajectories, trajectories_batch
 from verl.workers.rollout.loop_from_config import agent_loop_settings, load_agent_loop
+from verl.workers.weight_transfer import WeightSender
 from verl.workers.worker_process import (ProfiledWorker, expandable_segments, join_process_group, release_cached_memory,
                                          rendezvous)
 
@@ -79,21 +82,7 @@ def shared_gpu_error(error: Exception) -> Exception:
         "gpu_memory_utilization to make room)")
 
 
-def rollout_logprobs_BR(trajectories, width: int, loop_cls) -> torch.Tensor:
-    """The trajectories' engine log-probs as a [B, R] tensor, right-padded with 0."""
-    out_BR = torch.zeros((len(trajectories), width), dtype=torch.float32)
-    for i, t in enumerate(trajectories):
-        values = getattr(t, "rollout_logprobs", None)
-        if values is None:
-            raise RuntimeError(f"actor_rollout_ref.rollout.calculate_log_probs needs the log-prob of every sampled "
-                               f"token, and the agent loop {loop_cls.__module__}:{loop_cls.__name__} returned a "
-                               "trajectory without them (Trajectory.rollout_logprobs): pass Generation.logprobs "
-                               "on, or set actor_rollout_ref.rollout.calculate_log_probs=false")
-        out_BR[i, :len(values)] = torch.tensor(values, dtype=torch.float32)
-    return out_BR
-
-
-class PolicyWorker(ProfiledWorker):
+class PolicyWorker(ProfiledWorker, WeightSender):
     _expandable = False   # allocator switching (expandable_segments), decided in setup
 
     def __init__(self, rank: int, cfg: TrainerConfig, sizes: Sizes, total_steps: int, device: str):
@@ -139,10 +128,12 @@ class PolicyWorker(ProfiledWorker):
             if cfg.trainer.profile_steps and separate:  # in process, this process's profiler sees the engine
                 vllm_kw["profile_dir"] = os.path.join(cfg.trainer.default_local_dir, "profile",
                                                       f"engine_policy{self.rank}")
-        self.engine = create_engine(rollout.name, path, device=self.device, seed=cfg.trainer.seed + self.rank,
-                                    key="actor_rollout_ref.rollout.name", **vllm_kw)
-        self.tokenizer = self.engine.tokenizer
-        self.agent = agent_cls(self.engine, settings)
+        self.engine = None   # trainer.rollout_ahead_steps >= 1: rollout workers of their own generate
+        if not cfg.trainer.rollout_ahead_steps:
+            self.engine = create_engine(rollout.name, path, device=self.device, seed=cfg.trainer.seed + self.rank,
+                                        key="actor_rollout_ref.rollout.name", **vllm_kw)
+            self.tokenizer = self.engine.tokenizer
+            self.agent = agent_cls(self.engine, settings)
         a = arr.actor
         self.longest_row = budget
         self.actor = Actor(arr.model, a, micro_batch_size=self.sizes.micro_batch_trajectories_per_worker,
@@ -161,10 +152,10 @@ class PolicyWorker(ProfiledWorker):
                                        state_masking=a.state_masking)
         # Fixed allocator blocks for the engine, expandable ones for training (expandable_segments);
         # with the engine core in this process its allocator shares ours, which stays as it is.
-        self._expandable = (self.device == "cuda" and rollout.name == "vllm"
-                            and separate_engine_core(rollout, self.device))
+        self._expandable = self.device == "cuda" and (self.engine is None or (
+            rollout.name == "vllm" and separate_engine_core(rollout, self.device)))
         self._peaks: dict[str, float] = {}   # this step's log-prob passes (memory/…_peak_allocated_gib)
-        self._asleep = False
+        self._asleep = self.engine is None
         self.sleep_rollout()
 
     # -- rollout -------------------------------------------------------------------------------
@@ -206,34 +197,14 @@ class PolicyWorker(ProfiledWorker):
     @phase
     def generate(self, prompts: list[list[int]], group_ids: list[int], temperature: float,
                  top_p: float, max_tokens: int, seed: int | None = None, logprobs: bool = False) -> RolloutBatch:
-        """The agent loop over `prompts`; `seed` (the step's, for this worker) makes its samples the
-        same in a resumed run as in an uninterrupted one: each request's own (vLLM on CPU ignores
-        those), or with rollout.request_seeds=false the engine's one stream, re-seeded here, which
-        repeats where the requests reach the engine in the same batches. `logprobs`: keep the
+        """The agent loop over `prompts` (verl.workers.generation); `seed` (the step's, for this worker)
+        makes its samples the same in a resumed run as in an uninterrupted one. `logprobs`: keep the
         engine's log-prob of every sampled token (batch.rollout_logprobs_BR)."""
-        from verl.workers.rollout.engine import SamplingConfig
         self.wake_rollout()
-        rollout = self.cfg.actor_rollout_ref.rollout
-        if seed is not None and not rollout.request_seeds:  # one stream for the call, not one a request
-            self.engine.reseed(seed)
-            seed = None
-        bias = rollout.logit_bias or None
-        trajectories = self.agent.run(prompts, SamplingConfig(temperature, top_p, max_tokens, seed=seed,
-                                                              logit_bias=bias, logprobs=logprobs))
+        trajectories = sample_trajectories(self.agent, self.engine, self.cfg.actor_rollout_ref.rollout, prompts,
+                                           temperature, top_p, max_tokens, seed, logprobs)
         self.sleep_rollout()
-        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
-        batch = pack_trajectories(prompts, [t.response_ids for t in trajectories],
-                                  [t.loss_mask for t in trajectories], group_ids, pad)
-        if logprobs:
-            batch.rollout_logprobs_BR = rollout_logprobs_BR(trajectories, batch.loss_mask_BR.shape[1], type(self.agent))
-        # Decoded here, by every worker for its own rows: on the driver the decode of the whole
-        # step grew with the cluster (benchmarks/RESULTS.md, "Weak scaling").
-        texts = self.tokenizer.batch_decode([t.response_ids for t in trajectories], skip_special_tokens=True)
-        batch.info = {"stats": [t.stats() for t in trajectories],  # TrajectoryStats
-                      "response_text": texts,
-                      "response_ids": [list(t.response_ids) for t in trajectories],
-                      "loss_mask": [list(t.loss_mask) for t in trajectories]}
-        return batch
+        return trajectories_batch(trajectories, prompts, group_ids, self.tokenizer, logprobs, type(self.agent))
 
     @phase
     def sync_weights(self) -> float:
@@ -251,7 +222,7 @@ class PolicyWorker(ProfiledWorker):
 
     def shutdown(self) -> None:
         """End of training: stop the rollout engine while this process is still whole."""
-        if self.cfg.actor_rollout_ref.rollout.name == "vllm":
+        if self.cfg.actor_rollout_ref.rollout.name == "vllm" and self.engine is not None:
             self.engine.shutdown()
 
     # -- training ------------------------------------------------------------------------------
@@ -308,7 +279,8 @@ class PolicyWorker(ProfiledWorker):
         from verl.checkpoint.store import load_checkpoint
         state = load_checkpoint(root, step, {"actor": (self.actor.model, self.actor.optimizer, self.actor.scheduler)},
                                 self.cfg.trainer.allow_unverified_checkpoint)
-        self.sync_weights()
+        if self.engine is not None:   # else the driver pushes them to the rollout workers
+            self.sync_weights()
         return state
 
     def set_lr_scale(self, scale: float) -> None:

@@ -190,3 +190,34 @@ def test_overlong_buffer_set_under_both_names_differently_is_refused():
     with pytest.raises(ConfigError, match="both set"):
         _dapo_config("reward.overlong_buffer.enable=true", "reward.overlong_buffer.len=20",
                      "reward_model.overlong_buffer.enable=true", "reward_model.overlong_buffer.len=10")
+
+
+def _ahead(*keys):
+    base = ["data.train_files=t.parquet", "actor_rollout_ref.model.path=m"]
+    return load_config(OmegaConf.merge(OmegaConf.load(CONFIG), OmegaConf.from_dotlist(base + list(keys))))
+
+
+def test_running_ahead_switches_the_engines_log_probs_on_and_refuses_them_off():
+    assert _ahead().actor_rollout_ref.rollout.calculate_log_probs is False
+    assert _ahead("actor_rollout_ref.rollout.calculate_log_probs=true").actor_rollout_ref.rollout.calculate_log_probs
+    assert _ahead("trainer.rollout_ahead_steps=2").actor_rollout_ref.rollout.calculate_log_probs is True
+    with pytest.raises(ConfigError, match=r"actor_rollout_ref.rollout.calculate_log_probs=false with "
+                                          r"trainer.rollout_ahead_steps=1"):
+        _ahead("trainer.rollout_ahead_steps=1", "actor_rollout_ref.rollout.calculate_log_probs=false")
+
+
+@pytest.mark.parametrize("keys, named", [
+    (["trainer.rollout_ahead_steps=-1"], "trainer.rollout_ahead_steps=-1"),
+    (["trainer.rollout_ahead_steps=1", "trainer.single_process=true"], "trainer.single_process=true"),
+    (["trainer.rollout_ahead_steps=1", "algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=acc"],
+     "algorithm.filter_groups.enable=true"),
+    (["trainer.rollout_ahead_steps=1", "actor_rollout_ref.rollout.tensor_model_parallel_size=2"],
+     "tensor_model_parallel_size=2"),
+    (["rollout.n_gpus_per_node=2"], "rollout.n_gpus_per_node=2"),   # GPUs of their own, nothing running ahead
+    (["trainer.rollout_ahead_steps=1", "rollout.weight_transport=nccl"], "rollout.weight_transport='nccl'"),
+    (["trainer.rollout_ahead_steps=1", "rollout.n_gpus_per_node=2", "rollout.weight_transport=ipc"],
+     "rollout.weight_transport=ipc"),
+])
+def test_rollout_ahead_settings_that_cannot_work_are_refused_naming_the_key(keys, named):
+    with pytest.raises(ConfigError, match=named.replace("[", r"\[").replace(".", r"\.")):
+        _ahead(*keys)

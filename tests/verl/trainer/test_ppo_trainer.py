@@ -248,3 +248,54 @@ def test_the_overlong_buffer_penalises_responses_near_the_limit_and_leaves_the_s
     off = _trainer(data__max_response_length=100)
     off.reward_fn, off.reward_takes_extra_info, off.reward_kwargs = trainer.reward_fn, False, {}
     assert off.score(batch)[0].tolist() == [1.0, 1.0, 1.0]
+
+
+# -- trainer.rollout_ahead_steps: the rollouts asked for ahead, with a real rollout worker in this process --
+
+class _InProcess:
+    """A group of one worker in this process, called as Ray calls actors (LocalWorkerGroup's way)."""
+
+    def __init__(self, worker):
+        from verl.single_controller.ray_group import _LocalHandle
+        self.workers = [_LocalHandle(worker)]
+
+    def get(self, refs, what, step=None):
+        return list(refs)
+
+
+def test_running_two_steps_ahead_asks_for_the_next_two_rollouts_and_a_checkpoint_keeps_the_sampler_before_them(
+        tmp_path, tiny_model_dir):
+    import json
+
+    from verl.workers.rollout_worker import RolloutWorker
+    cfg = load_config({"data": {"train_files": "x", "train_batch_size": 2, "max_response_length": 4},
+                       "reward": {"function": "search_r1.rewards:score_for"},
+                       "actor_rollout_ref": {"model": {"path": tiny_model_dir}, "rollout": {"n_agent": 2, "name": "hf"},
+                                             "actor": {"ppo_mini_batch_size": 4, "ppo_micro_batch_size": 2}},
+                       "algorithm": {"adv_estimator": "grpo"},
+                       "trainer": {"rollout_ahead_steps": 2, "device": "cpu"}})
+    worker = RolloutWorker(0, cfg, "cpu")
+    worker.setup()
+    sampler = PromptSampler([Example([1, 2, 3 + i], "nq", "a", i) for i in range(12)], batch_size=2, shuffle=False,
+                            seed=0)
+    trainer = PPOTrainer(cfg, derive_sizes(cfg), None, None, sampler, None, None, 4, "cpu", rollout=_InProcess(worker))
+    trainer.out_dir = str(tmp_path)
+    first = trainer.next_examples()                      # nothing ahead yet: drawn now
+    batch = trainer.rollout(first, 2, greedy=False, logprobs=True)
+    assert len(batch) == 4 and batch.rollout_logprobs_BR is not None
+    assert trainer.roll_ahead() == {"rollout/staleness": 0.0, "rollout/generate_s": trainer.ahead.generate_s}
+    assert sorted(trainer.ahead.pending) == [2, 3]
+    assert [e.index for e in trainer.ahead.pending[3].examples] == [4, 5]
+    # a checkpoint of step 1 keeps the sampler as it was before the prompts of steps 2 and 3 were drawn
+    assert trainer.ahead.sampler_state(trainer.sampler.state()) == {"epoch": 0, "position": 1}
+    trainer.step = 1
+    assert trainer.next_examples() is trainer.ahead.pending[2].examples   # the prompts drawn ahead
+    trainer.rollout(trainer.next_examples(), 2, greedy=False, logprobs=True)
+    trainer.roll_ahead()
+    assert sorted(trainer.ahead.pending) == [3, 4]           # 4 is the run's last step: nothing past it
+    trainer.step = 2
+    trainer.rollout(trainer.next_examples(), 2, greedy=False, logprobs=True)
+    trainer.roll_ahead()
+    assert sorted(trainer.ahead.pending) == [4]
+    rows = [json.loads(line) for line in (tmp_path / "data_order.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["indices"]) for r in rows] == [(1, [0, 1]), (2, [2, 3]), (3, [4, 5]), (4, [6, 7])]
