@@ -113,7 +113,8 @@ class Actor(TrainedModel):
         self.max_tokens_per_pack = tokens_per_pack(cfg.max_tokens_per_pack, device)
 
     def compute_logprobs(self, batch: RolloutBatch) -> torch.Tensor:
-        """logprobs_BR of the response tokens under the current weights (fp32, CPU, 0 on padding)."""
+        """logprobs_BR of the response tokens under the current weights (fp32, CPU, 0 on padding and,
+        with state_masking, on observations)."""
         return self.compute_logprobs_and_entropy(batch, entropy=False)[0]
 
     def compute_logprobs_and_entropy(self, batch: RolloutBatch, entropy: bool = True):
@@ -229,7 +230,7 @@ class Reference:
         _probe_logprobs(self, tokens)
 
     def compute_logprobs(self, batch: RolloutBatch) -> torch.Tensor:
-        """ref_logprobs_BR (fp32, CPU, 0 on padding)."""
+        """ref_logprobs_BR (fp32, CPU, 0 on padding and, with state_masking, on observations)."""
         plan_before_first_pass(self, batch)
         return _logprobs_in_micro_batches(self.model, batch, self.micro_batch_size, self.budgets.forward,
                                           self.temperature, self.max_tokens_per_pack, False, self.mixed_precision,

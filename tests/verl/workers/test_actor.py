@@ -290,9 +290,10 @@ def test_compute_logprobs_matches_plain_hf_forward(tiny_model_dir, batch):
         expected = logp.gather(-1, ids[n_prompt:, None])[:, 0]
         expected_entropy = -(logp.exp() * logp).sum(-1)
         n = len(expected)
-        torch.testing.assert_close(logprobs_BR[i, :n], expected, atol=1e-4, rtol=0)
-        torch.testing.assert_close(entropy_BR[i, :n], expected_entropy, atol=1e-4, rtol=0)
-        assert (logprobs_BR[i, n:] == 0).all()
+        scored = batch.loss_mask_BR[i, :n].bool()   # the model's own tokens; observations come back as 0
+        torch.testing.assert_close(logprobs_BR[i, :n][scored], expected[scored], atol=1e-4, rtol=0)
+        torch.testing.assert_close(entropy_BR[i, :n][scored], expected_entropy[scored], atol=1e-4, rtol=0)
+        assert (logprobs_BR[i, :n][~scored] == 0).all() and (logprobs_BR[i, n:] == 0).all()
 
 
 @pytest.mark.parametrize("split", [dict(micro_batch_size=2, use_dynamic_bsz=False),   # trajectories
