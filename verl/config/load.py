@@ -10,8 +10,8 @@ import math
 from omegaconf import OmegaConf
 
 from verl.config.compat import ENV_VAR, CompatError, apply_tables, compat_tables, unused_on_command_line
-from verl.config.schema import (FILTER_METRICS, TOOL_LOOP, VLLM_ARGS_WITH_KEYS, ConfigError, HealthConfig,
-                                 OverlongBufferConfig, TrainerConfig)
+from verl.config.schema import (FILTER_METRICS, TOOL_LOOP, VLLM_ARGS_WITH_KEYS, VLLM_MAX_LORA_RANK, ConfigError,
+                                 HealthConfig, OverlongBufferConfig, TrainerConfig)
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +41,34 @@ def load_config(raw) -> TrainerConfig:
     if cfg.algorithm.use_kl_in_reward is None:
         cfg.algorithm.use_kl_in_reward = not cfg.actor_rollout_ref.actor.use_kl_loss
     _check_dapo_keys(cfg)
+    _check_lora_keys(cfg)
     return cfg
+
+
+def _check_lora_keys(cfg: TrainerConfig) -> None:
+    """verl's LoRA keys of the actor and the critic, and how the engine gets the adapters."""
+    for section, model in (("actor_rollout_ref.model", cfg.actor_rollout_ref.model), ("critic.model", cfg.critic.model)):
+        if model.lora_rank < 0:
+            raise ConfigError(f"{section}.lora_rank={model.lora_rank}: the adapters' rank, > 0 (e.g. 8, 16, 32, 64), "
+                              "or 0 for full fine-tuning")
+        if model.lora_rank and not model.lora_alpha > 0:
+            raise ConfigError(f"{section}.lora_alpha={model.lora_alpha}: the adapters' scale numerator, > 0 (their "
+                              "update is B·A·lora_alpha/lora_rank; verl's default is 16)")
+        targets = model.target_modules
+        if not (isinstance(targets, str) and targets) and not (
+                isinstance(targets, list) and targets and all(isinstance(t, str) and t for t in targets)):
+            raise ConfigError(f"{section}.target_modules={targets!r}: all-linear, or a list of module names "
+                              "(e.g. [q_proj, v_proj])")
+    rollout, rank = cfg.actor_rollout_ref.rollout, cfg.actor_rollout_ref.model.lora_rank
+    if rollout.lora_sync not in ("auto", "adapter", "merged"):
+        raise ConfigError(f"actor_rollout_ref.rollout.lora_sync={rollout.lora_sync!r}: use auto, adapter or merged")
+    if rank and rollout.lora_sync == "adapter" and rollout.name != "vllm":
+        raise ConfigError(f"actor_rollout_ref.rollout.lora_sync=adapter: rollout.name={rollout.name} takes no "
+                          "adapters; use lora_sync=merged (or auto)")
+    if rank > VLLM_MAX_LORA_RANK and rollout.lora_sync == "adapter":
+        raise ConfigError(f"actor_rollout_ref.rollout.lora_sync=adapter: vLLM serves LoRA ranks up to "
+                          f"{VLLM_MAX_LORA_RANK}, and actor_rollout_ref.model.lora_rank={rank}; use lora_sync=merged "
+                          "(or auto)")
 
 
 def _check_dapo_keys(cfg: TrainerConfig) -> None:

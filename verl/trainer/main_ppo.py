@@ -80,6 +80,7 @@ def run(raw: DictConfig) -> None:
              sizes.world, device)
 
     needs_critic = cfg.algorithm.adv_estimator == AdvEstimator.GAE
+    log_lora(cfg, needs_critic)
     share = 0.5 if needs_critic else 1.0
     args = (cfg, sizes, total_steps, device)
     if run_cfg.single_process:
@@ -100,6 +101,20 @@ def run(raw: DictConfig) -> None:
                          n_params)
     trainer.fit()
     policy.get([w.shutdown.remote() for w in policy.workers], "shutdown")
+
+
+def log_lora(cfg, needs_critic: bool) -> None:
+    """With LoRA adapters (model.lora_rank): what trains, and how the rollout engine gets them."""
+    from verl.workers.lora import weight_push
+    model, rollout = cfg.actor_rollout_ref.model, cfg.actor_rollout_ref.rollout
+    if model.lora_rank:
+        _, why = weight_push(model.lora_rank, rollout.name, rollout.lora_sync)
+        log.info("LoRA on the actor: rank %d, alpha %g, target_modules %s; the reference is the base model with "
+                 "the adapters off; %s", model.lora_rank, model.lora_alpha, model.target_modules, why)
+    if needs_critic and cfg.critic.model.lora_rank:
+        c = cfg.critic.model
+        log.info("LoRA on the critic: rank %d, alpha %g, target_modules %s (its value head in full)",
+                 c.lora_rank, c.lora_alpha, c.target_modules)
 
 
 def plan_memory(policy, critic) -> None:
