@@ -9,6 +9,8 @@ per-phase timings from its metrics.
     python benchmarks/bench_grpo_step.py --shape 0.5b --steps 2 --prompts 64 --n 5   # one GPU
     python benchmarks/bench_grpo_step.py --quick                                     # CPU (CI)
     python benchmarks/bench_grpo_step.py --shape 3b --gpus 4 --prompts 256 --n 5 --dense-rows 21015324 …
+    python benchmarks/bench_grpo_step.py --shape 0.5b actor_rollout_ref.model.lora_rank=16 \
+        actor_rollout_ref.model.lora_alpha=32 actor_rollout_ref.actor.optim.lr=1e-4     # LoRA adapters
 
 A random policy never writes `<search>`. `--search-every N` makes it search as a trained one does:
 `<search>` and `</search>` become single tokens of the model's tokenizer, and the trainer's

@@ -17,6 +17,8 @@ before calling a change to a GPU path done. Parts:
                   Dr.GRPO advantages)
 - grpo-0.5b       two GRPO steps of a Qwen2.5-0.5B-shaped model through `verl.trainer.main_ppo` (Ray),
                   two optimizer steps in each; the second rollout follows a weight sync
+- grpo-lora       the same with LoRA adapters (actor_rollout_ref.model.lora_rank): the reference is
+                  the base with them off, and vLLM serves them as a LoRA adapter after each update
 - dense-server    `search-r1 index build` on the GPU and `search-r1 serve` over that dense index,
                   answering concurrent requests
 
@@ -117,6 +119,13 @@ def parts(out: Path, gpu_count: int, tokenizer: str) -> list[Part]:
                                  "actor_rollout_ref.actor.entropy_coeff=0.001",
                                  "actor_rollout_ref.rollout.top_p=0.95")],
              lambda: expect_rows(out / "grpo.jsonl", 2)),
+        Part("grpo-lora", 1, [sh(PY, ROOT / "benchmarks" / "bench_grpo_step.py", "--shape", "0.5b", "--steps", 2,
+                                 "--prompts", 8, "--n", 4, "--max-turns", 2, "--search-every", 100,
+                                 "--workdir", out / "grpo_lora", "--out", out / "grpo_lora.jsonl",
+                                 "actor_rollout_ref.model.lora_rank=16", "actor_rollout_ref.model.lora_alpha=32",
+                                 "actor_rollout_ref.actor.optim.lr=1e-4")],
+             lambda: expect_rows(out / "grpo_lora.jsonl", 2)
+             or expect_in_log(out / "grpo-lora.log", "served as a vLLM LoRA adapter")),
         Part("dense-server", 1, [
             sh(PY, "-m", "search_r1.cli", "index", "build", "--corpus_path", corpus, "--out", dense,
                "--retriever_model", enc),
@@ -140,6 +149,10 @@ def expect_file(path: Path) -> str | None:
 def expect_rows(path: Path, n: int) -> str | None:
     rows = path.read_text().splitlines() if path.exists() else []
     return None if len(rows) >= n else f"{len(rows)} step rows in {path}, expected {n}"
+
+
+def expect_in_log(log: Path, text: str) -> str | None:
+    return None if text in log.read_text() else f"{log} does not say {text!r}"
 
 
 def expect_no_skips(log: Path, gpu_count: int) -> str | None:

@@ -97,6 +97,7 @@ def rollout_logprobs_BR(trajectories, width: int, loop_cls) -> torch.Tensor:
 
 class PolicyWorker(ProfiledWorker):
     _expandable = False   # allocator switching (expandable_segments), decided in setup
+    push = WeightPush.FULL   # what sync_weights pushes into the engine, decided in setup (model.lora_rank)
     _adapter_tmp: tempfile.TemporaryDirectory | None = None   # LoRA adapter files for the engine
 
     def __init__(self, rank: int, cfg: TrainerConfig, sizes: Sizes, total_steps: int, device: str):
@@ -128,7 +129,6 @@ class PolicyWorker(ProfiledWorker):
         join_process_group(self.rank, self.sizes.world, master_addr, master_port, self.device)
         path = arr.model.path
         rollout = arr.rollout
-        # LoRA (model.lora_rank): what the engine gets after each update (verl.workers.lora)
         self.push, _ = weight_push(arr.model.lora_rank, rollout.name, rollout.lora_sync)
         agent_cls, settings = load_agent_loop(agent_loop_spec(cfg)), agent_loop_settings(cfg, self.device)
         budget = cfg.data.max_prompt_length + agent_cls.max_response_tokens(settings)

@@ -450,7 +450,6 @@ class VLLMEngine:
         # Cached prefixes hold keys/values computed by the old weights.
         self.llm.reset_prefix_cache()
 
-
     # -- LoRA: the policy's adapters, served by vLLM (an engine built with enable_lora=True) ------
 
     _adapter = None  # the LoRARequest every request carries once `load_adapter` was called
