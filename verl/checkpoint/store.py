@@ -237,7 +237,8 @@ def load_checkpoint(root: str | os.PathLike, step: int, models: Mapping[str, Mod
         except (Exception, CheckpointException) as error:
             raise RuntimeError(
                 f"Could not load {name!r} from {ckpt} (saved at world size {saved_world_size}, now {world_size}): "
-                f"{error}. The model (and optimizer) must be built exactly as when saving.") from error
+                f"{error}. The model (and optimizer) must be built exactly as when saving (LoRA adapters "
+                f"included: the same model.lora_rank and target_modules).") from error
         if scheduler is not None:
             sched_file = os.path.join(ckpt, name, "scheduler.pt")
             if not os.path.isfile(sched_file):

@@ -47,7 +47,8 @@ def load_config(raw) -> TrainerConfig:
 
 def _check_lora_keys(cfg: TrainerConfig) -> None:
     """verl's LoRA keys of the actor and the critic, and how the engine gets the adapters."""
-    for section, model in (("actor_rollout_ref.model", cfg.actor_rollout_ref.model), ("critic.model", cfg.critic.model)):
+    for section, model in (("actor_rollout_ref.model", cfg.actor_rollout_ref.model),
+                           ("critic.model", cfg.critic.model)):
         if model.lora_rank < 0:
             raise ConfigError(f"{section}.lora_rank={model.lora_rank}: the adapters' rank, > 0 (e.g. 8, 16, 32, 64), "
                               "or 0 for full fine-tuning")

@@ -121,10 +121,6 @@ def lora_layers(model: nn.Module) -> dict[str, nn.Module]:
     return {name: m for name, m in model.named_modules() if isinstance(m, LoraLayer)}
 
 
-def has_adapters(model: nn.Module) -> bool:
-    return bool(lora_layers(model))
-
-
 @contextlib.contextmanager
 def adapters_disabled(model: nn.Module):
     """The base model inside the block (peft's switch on every LoRA layer). The adapters stay

@@ -23,7 +23,7 @@ from verl.config.schema import CriticConfig, CriticModelConfig, FSDPConfig, Mode
 from verl.workers.actor import Actor, Reference
 from verl.workers.critic import Critic
 from verl.workers.distributed import full_state_dict_iter
-from verl.workers.lora import (WeightPush, adapter_config, adapters_disabled, add_adapters, lora_layers,
+from verl.workers.lora import (WeightPush, adapter_config, add_adapters, lora_layers,
                                merged_state_dict_iter, vllm_lora_kwargs, weight_push, write_adapter)
 from verl.workers.modeling import build_causal_lm
 from verl.workers.packing import forward_packed
