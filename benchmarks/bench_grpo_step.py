@@ -10,6 +10,8 @@ per-phase timings from its metrics.
     python benchmarks/bench_grpo_step.py --shape 0.5b --steps 4 --ahead 0 1           # synchronous vs one ahead
     python benchmarks/bench_grpo_step.py --quick                                     # CPU (CI)
     python benchmarks/bench_grpo_step.py --shape 3b --gpus 4 --prompts 256 --n 5 --dense-rows 21015324 …
+    python benchmarks/bench_grpo_step.py --shape 0.5b actor_rollout_ref.model.lora_rank=16 \
+        actor_rollout_ref.model.lora_alpha=32 actor_rollout_ref.actor.optim.lr=1e-4     # LoRA adapters
 
 `--ahead 0 1` runs the same steps synchronously and with the rollout one step ahead of the update
 (trainer.rollout_ahead_steps; `--rollout-gpus N`: on N GPUs of its own instead of beside the policy

@@ -21,6 +21,8 @@ before calling a change to a GPU path done. Parts:
                   rollout worker beside the policy worker on its GPU, its engine awake throughout, the
                   weights pushed as CUDA IPC handles; the steps after the first train on batches one
                   update old
+- grpo-lora       the same with LoRA adapters (actor_rollout_ref.model.lora_rank): the reference is
+                  the base with them off, and vLLM serves them as a LoRA adapter after each update
 - dense-server    `search-r1 index build` on the GPU and `search-r1 serve` over that dense index,
                   answering concurrent requests
 
@@ -128,6 +130,13 @@ def parts(out: Path, gpu_count: int, tokenizer: str) -> list[Part]:
                                        # the engine keeps its memory beside the actor's
                                        "actor_rollout_ref.rollout.gpu_memory_utilization=0.3")],
              lambda: expect_ahead(out / "grpo_ahead.jsonl", 3)),
+        Part("grpo-lora", 1, [sh(PY, ROOT / "benchmarks" / "bench_grpo_step.py", "--shape", "0.5b", "--steps", 2,
+                                 "--prompts", 8, "--n", 4, "--max-turns", 2, "--search-every", 100,
+                                 "--workdir", out / "grpo_lora", "--out", out / "grpo_lora.jsonl",
+                                 "actor_rollout_ref.model.lora_rank=16", "actor_rollout_ref.model.lora_alpha=32",
+                                 "actor_rollout_ref.actor.optim.lr=1e-4")],
+             lambda: expect_rows(out / "grpo_lora.jsonl", 2)
+             or expect_in_log(out / "grpo-lora.log", "served as a vLLM LoRA adapter")),
         Part("dense-server", 1, [
             sh(PY, "-m", "search_r1.cli", "index", "build", "--corpus_path", corpus, "--out", dense,
                "--retriever_model", enc),
@@ -159,6 +168,9 @@ def expect_ahead(path: Path, n: int) -> str | None:
         return error
     staleness = [json.loads(line).get("rollout/staleness") for line in path.read_text().splitlines()]
     return None if staleness == [0] + [1] * (n - 1) else f"rollout/staleness per step {staleness}, expected 0, then 1"
+
+def expect_in_log(log: Path, text: str) -> str | None:
+    return None if text in log.read_text() else f"{log} does not say {text!r}"
 
 
 def expect_no_skips(log: Path, gpu_count: int) -> str | None:

@@ -9,6 +9,7 @@ Layout of one checkpoint (all ranks write into the same directory: a shared file
         <name>/model/            DCP directory of the model's (sharded) state dict, e.g. name = "actor"
         <name>/optimizer/        DCP directory of its optimizer state (absent if saved without one)
         <name>/scheduler.pt      its LR scheduler state (absent if saved without one)
+        <name>/adapter_config.json  a model that trains LoRA adapters: their config (PEFT's format)
         trainer_state.json       {"step", "world_size", "models", "trainer": what the trainer passed}
         rng/rank_<r>.pt          python, numpy, torch CPU (and CUDA) RNG states of rank r
         manifest.json            size and sha256 of every other file, written last
@@ -17,6 +18,10 @@ Layout of one checkpoint (all ranks write into the same directory: a shared file
 A checkpoint is written into `global_step_<N>.tmp` and renamed only when every rank has finished, so
 a crash never leaves a directory that looks complete. Model and optimizer state are resharded by DCP
 when resuming at another world size; RNG states are then skipped with a warning.
+
+What a checkpoint holds of a model is what training changes: its parameters that require gradients
+(all of them in full fine-tuning; a LoRA model's adapters, and a value model's head). Frozen weights
+come from the model's own directory, as when training started, and are neither saved nor loaded.
 
 Faults never pass silently. A shard that changed on disk (a flipped exponent bit loads as a huge
 but finite weight, and DCP does not notice) fails its checksum on load: `CheckpointCorrupt` names the file, and
@@ -56,7 +61,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
-    get_model_state_dict, get_state_dict, set_model_state_dict, set_state_dict)
+    StateDictOptions, get_model_state_dict, get_state_dict, set_model_state_dict, set_state_dict)
 from torch.distributed.tensor import DTensor
 
 from verl.checkpoint.manifest import (CheckpointCorrupt, last_line, read_manifest, reading, verify_checkpoint,
@@ -68,6 +73,8 @@ logger = logging.getLogger(__name__)
 # name -> (model, optimizer or None, LR scheduler or None)
 ModelParts = tuple[torch.nn.Module, torch.optim.Optimizer | None, torch.optim.lr_scheduler.LRScheduler | None]
 
+# Beside a model that trains LoRA adapters: their config, in PEFT's format (read by the export).
+ADAPTER_CONFIG = "adapter_config.json"
 _STEP_DIR = re.compile(r"^global_step_(\d+)$")
 # Free space below which a failed write is put down to a full disk even when the error does not say
 # so: torch's zip writer reports ENOSPC as "unexpected pos N vs M".
@@ -84,9 +91,12 @@ def save_checkpoint(
     models: Mapping[str, ModelParts],
     trainer_state: dict[str, Any],
     keep_last: int | None = None,
+    adapters: Mapping[str, dict] | None = None,
 ) -> str:
     """Save every model of `models` (e.g. {"actor": (model, optim, sched), "critic": (...)}) with the
     trainer state (data-loader position and anything else JSON-able) and this rank's RNG states.
+    `adapters`: name -> the LoRA config (PEFT's adapter_config.json) of each model that trains
+    adapters, saved beside it for the export.
 
     Call on every rank (it has collectives); returns the checkpoint directory. Keeps the newest
     `keep_last` checkpoints (None or 0: keep all), never deleting the one just written.
@@ -103,14 +113,14 @@ def save_checkpoint(
     try:
         state_json = json.dumps(
             {"step": step, "world_size": world_size, "models": sorted(models), "trainer": trainer_state}, indent=2)
+        adapter_json = {name: json.dumps(config, indent=2) for name, config in (adapters or {}).items()}
     except TypeError as error:
-        raise TypeError(f"trainer_state must be JSON-serialisable (plain numbers, strings, lists, dicts): {error}")
+        raise TypeError(f"trainer_state and adapters must be JSON-serialisable (plain numbers, strings, lists, "
+                        f"dicts): {error}")
     rng_state = _rng_state()  # first, so that nothing done while saving changes what is saved
 
     with single_process_quiet():
-        state_dicts = {name: (get_model_state_dict(model), None) if optimizer is None
-                       else get_state_dict(model, optimizer)
-                       for name, (model, optimizer, _) in models.items()}
+        state_dicts = {name: _state_dicts(model, optimizer) for name, (model, optimizer, _) in models.items()}
     _refuse_non_finite(state_dicts, root, step)
 
     final = checkpoint_dir(root, step)
@@ -123,7 +133,7 @@ def save_checkpoint(
     need, free = _check_free_space(root, state_dicts)
 
     try:
-        _write_files(tmp, state_dicts, models, rng_state, state_json)
+        _write_files(tmp, state_dicts, models, rng_state, state_json, adapter_json)
         write_manifest(tmp, step)
     except BaseException as error:
         try:
@@ -206,27 +216,29 @@ def load_checkpoint(root: str | os.PathLike, step: int, models: Mapping[str, Mod
                                     f"pass None as its optimizer to load the weights only")
         try:
             with single_process_quiet():
+                # The state dicts of the live objects say which shard this rank holds; DCP fills
+                # them in place, reading (and resharding) only what is needed.
+                model_sd, optim_sd = _state_dicts(model, optimizer)
+                # Frozen weights are left out on purpose: torch's strict check of the keys is off
+                # for such a model; DCP has already refused a checkpoint that lacks a key asked for.
+                options = StateDictOptions(strict=all(p.requires_grad for p in model.parameters()))
+                with reading(ckpt, model_dir, verified):
+                    dcp.load(model_sd, checkpoint_id=model_dir, no_dist=not pg.is_distributed())
                 if optimizer is None:
-                    model_sd = get_model_state_dict(model)
-                    with reading(ckpt, model_dir, verified):
-                        dcp.load(model_sd, checkpoint_id=model_dir, no_dist=not pg.is_distributed())
-                    set_model_state_dict(model, model_sd)
+                    set_model_state_dict(model, model_sd, options=options)
                 else:
-                    # The state dicts of the live objects say which shard this rank holds; DCP
-                    # fills them in place, reading (and resharding) only what is needed.
-                    model_sd, optim_sd = get_state_dict(model, optimizer)
-                    with reading(ckpt, model_dir, verified):
-                        dcp.load(model_sd, checkpoint_id=model_dir, no_dist=not pg.is_distributed())
                     with reading(ckpt, optim_dir, verified):
                         dcp.load(optim_sd, checkpoint_id=optim_dir, no_dist=not pg.is_distributed())
-                    set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+                    set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd,
+                                   options=options)
         except CheckpointCorrupt:
             raise
         # DCP's CheckpointException derives from BaseException, not Exception: name it, or it escapes.
         except (Exception, CheckpointException) as error:
             raise RuntimeError(
                 f"Could not load {name!r} from {ckpt} (saved at world size {saved_world_size}, now {world_size}): "
-                f"{error}. The model (and optimizer) must be built exactly as when saving.") from error
+                f"{error}. The model (and optimizer) must be built exactly as when saving (LoRA adapters "
+                f"included: the same model.lora_rank and target_modules).") from error
         if scheduler is not None:
             sched_file = os.path.join(ckpt, name, "scheduler.pt")
             if not os.path.isfile(sched_file):
@@ -244,6 +256,17 @@ def load_checkpoint(root: str | os.PathLike, step: int, models: Mapping[str, Mod
                       f"and dropout will not repeat the original run exactly.")
     logger.info("Loaded checkpoint %s", ckpt)
     return saved["trainer"]
+
+def _state_dicts(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[dict, dict | None]:
+    """(model state dict, optimizer state dict or None) of what training changes: the parameters that
+    require gradients (module docstring) and the persistent buffers."""
+    options = StateDictOptions(ignore_frozen_params=True)
+    model_sd, optim_sd = ((get_model_state_dict(model, options=options), None) if optimizer is None
+                          else get_state_dict(model, optimizer, options=options))
+    # torch leaves a frozen weight in under its second name when two share it (a tied lm_head)
+    frozen = {name for name, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+    return {key: value for key, value in model_sd.items() if key not in frozen}, optim_sd
+
 
 # ---------------------------------------------------------------- the parts of a save
 
@@ -319,7 +342,7 @@ def _last_checkpoint_bytes(root: str | os.PathLike) -> int | None:
     return sum(p.stat().st_size for p in Path(ckpt).rglob("*") if p.is_file())
 
 def _write_files(tmp: str, state_dicts: dict, models: Mapping[str, ModelParts], rng_state: dict,
-                 state_json: str) -> None:
+                 state_json: str, adapter_json: dict[str, str]) -> None:
     rank = pg.rank()
     with single_process_quiet():
         for name, (model_sd, optim_sd) in state_dicts.items():
@@ -335,6 +358,8 @@ def _write_files(tmp: str, state_dicts: dict, models: Mapping[str, ModelParts], 
         _save_file(rng_state, os.path.join(tmp, "rng", f"rank_{rank}.pt"))
         if rank == 0:
             write_text(os.path.join(tmp, "trainer_state.json"), state_json)
+            for name, text in adapter_json.items():
+                write_text(os.path.join(tmp, name, ADAPTER_CONFIG), text)
     except Exception as caught:
         error = caught
     pg.agree(error, "writing the checkpoint")  # and every rank's files are on disk

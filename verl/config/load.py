@@ -10,8 +10,8 @@ import math
 from omegaconf import OmegaConf
 
 from verl.config.compat import ENV_VAR, CompatError, apply_tables, compat_tables, unused_on_command_line
-from verl.config.schema import (FILTER_METRICS, TOOL_LOOP, VLLM_ARGS_WITH_KEYS, WEIGHT_TRANSPORTS, ConfigError,
-                                 HealthConfig, OverlongBufferConfig, TrainerConfig)
+from verl.config.schema import (FILTER_METRICS, TOOL_LOOP, VLLM_ARGS_WITH_KEYS, VLLM_MAX_LORA_RANK, WEIGHT_TRANSPORTS,
+                                ConfigError, HealthConfig, OverlongBufferConfig, TrainerConfig)
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +42,7 @@ def load_config(raw) -> TrainerConfig:
         cfg.algorithm.use_kl_in_reward = not cfg.actor_rollout_ref.actor.use_kl_loss
     _check_dapo_keys(cfg)
     _check_rollout_ahead(cfg)
+    _check_lora_keys(cfg)
     return cfg
 
 
@@ -85,6 +86,37 @@ def _check_rollout_ahead(cfg: TrainerConfig) -> None:
         raise ConfigError("rollout.weight_transport=ipc hands CUDA IPC handles to a rollout worker on the same GPU, "
                           f"but rollout.n_gpus_per_node={place.n_gpus_per_node} gives the rollout workers GPUs of "
                           "their own: use broadcast or object_store (or auto)")
+
+
+def _check_lora_keys(cfg: TrainerConfig) -> None:
+    """verl's LoRA keys of the actor and the critic, and how the engine gets the adapters."""
+    for section, model in (("actor_rollout_ref.model", cfg.actor_rollout_ref.model),
+                           ("critic.model", cfg.critic.model)):
+        if model.lora_rank < 0:
+            raise ConfigError(f"{section}.lora_rank={model.lora_rank}: the adapters' rank, > 0 (e.g. 8, 16, 32, 64), "
+                              "or 0 for full fine-tuning")
+        if model.lora_rank and not model.lora_alpha > 0:
+            raise ConfigError(f"{section}.lora_alpha={model.lora_alpha}: the adapters' scale numerator, > 0 (their "
+                              "update is B·A·lora_alpha/lora_rank; verl's default is 16)")
+        targets = model.target_modules
+        if not (isinstance(targets, str) and targets) and not (
+                isinstance(targets, list) and targets and all(isinstance(t, str) and t for t in targets)):
+            raise ConfigError(f"{section}.target_modules={targets!r}: all-linear, or a list of module names "
+                              "(e.g. [q_proj, v_proj])")
+    rollout, rank = cfg.actor_rollout_ref.rollout, cfg.actor_rollout_ref.model.lora_rank
+    if rollout.lora_sync not in ("auto", "adapter", "merged"):
+        raise ConfigError(f"actor_rollout_ref.rollout.lora_sync={rollout.lora_sync!r}: use auto, adapter or merged")
+    if rank and rollout.lora_sync == "adapter" and rollout.name != "vllm":
+        raise ConfigError(f"actor_rollout_ref.rollout.lora_sync=adapter: rollout.name={rollout.name} takes no "
+                          "adapters; use lora_sync=merged (or auto)")
+    if rank and rollout.lora_sync == "adapter" and cfg.trainer.rollout_ahead_steps:
+        raise ConfigError(f"actor_rollout_ref.rollout.lora_sync=adapter with trainer.rollout_ahead_steps="
+                          f"{cfg.trainer.rollout_ahead_steps}: the rollout workers take the merged weights; use "
+                          "lora_sync=merged (or auto)")
+    if rank > VLLM_MAX_LORA_RANK and rollout.lora_sync == "adapter":
+        raise ConfigError(f"actor_rollout_ref.rollout.lora_sync=adapter: vLLM serves LoRA ranks up to "
+                          f"{VLLM_MAX_LORA_RANK}, and actor_rollout_ref.model.lora_rank={rank}; use lora_sync=merged "
+                          "(or auto)")
 
 
 def _check_dapo_keys(cfg: TrainerConfig) -> None:

@@ -44,6 +44,11 @@ _DYNAMIC_BSZ_HELP = ("cut micro-batches by tokens (prompt and response) instead 
 _TOKEN_BUDGET_HELP = ("tokens per {what} on one GPU with {switch}; null: the most that fit, measured at start-up once "
                       "the engine sleeps (verl.workers.memory; 2,048 on the CPU)")
 _REMOVE_PADDING_HELP = "the original's padding-free switch: accepted and unused (the forward is always padding-free)"
+_LORA_RANK_HELP = ("verl's: rank of the LoRA adapters trained on the {what} (peft; only they and their optimizer state "
+                   "train and are checkpointed){more}; 0: full fine-tuning")
+_LORA_ALPHA_HELP = "verl's: the adapters' scale numerator: their update is B·A·lora_alpha/lora_rank"
+_TARGET_MODULES_HELP = ("verl's: the layers that get adapters: all-linear (every linear layer but the output layer) "
+                        "or a list of module names, e.g. [q_proj, k_proj, v_proj, o_proj]")
 
 
 @dataclass
@@ -88,6 +93,11 @@ class ModelConfig:
                                                 "installed, else torch's varlen flash kernel (CUDA, bf16), else sdpa")
     use_torch_compile: bool | None = key(None, "torch.compile each decoder layer of the actor and the reference; "
                                                "null: on a GPU")
+    lora_rank: int = key(0, _LORA_RANK_HELP.format(
+        what="actor", more=". The reference is then the base model with the adapters switched off (no second "
+                           "copy); the rollout engine gets them as rollout.lora_sync says"))
+    lora_alpha: float = key(16, _LORA_ALPHA_HELP)
+    target_modules: Any = key("all-linear", _TARGET_MODULES_HELP)
 
 
 @dataclass
@@ -183,6 +193,7 @@ class RefConfig:
 
 
 TOOL_LOOP = "verl.workers.rollout.tool_loop:ToolAgentLoop"
+VLLM_MAX_LORA_RANK = 512   # the largest rank vLLM serves as a LoRA adapter (its max_lora_rank)
 
 
 @dataclass
@@ -266,10 +277,16 @@ class RolloutConfig:
     # prefix_caching_hash_algo); the settings above that have keys of their own are set there.
     engine_kwargs: dict[str, Any] | None = key(None, "vLLM only: more vllm.LLM arguments, e.g. {max_num_seqs: 512}; "
                                                      "arguments that have keys of their own are refused")
+    lora_sync: str = key("auto", "with model.lora_rank > 0, how the engine gets the policy after each update: "
+                                 "adapter (the adapter weights only, served as vLLM's LoRA adapter) | merged (every "
+                                 "weight, the adapted ones as base + B·A·alpha/r: no LoRA kernels in decoding) | "
+                                 "auto: adapter with vLLM up to rank " + str(VLLM_MAX_LORA_RANK) + ", else merged")
 
 
 # vllm.LLM arguments that rollout keys set: engine_kwargs must not set them a second time.
 VLLM_ARGS_WITH_KEYS = {
+    "enable_lora": "actor_rollout_ref.model.lora_rank with rollout.lora_sync",
+    "max_lora_rank": "actor_rollout_ref.model.lora_rank", "max_loras": "actor_rollout_ref.model.lora_rank",
     "model": "actor_rollout_ref.model.path", "seed": "trainer.seed",
     "gpu_memory_utilization": "actor_rollout_ref.rollout.gpu_memory_utilization",
     "max_model_len": "actor_rollout_ref.rollout.max_model_len",
@@ -297,6 +314,9 @@ class CriticModelConfig:
     enable_gradient_checkpointing: bool = key(True, _CHECKPOINTING_HELP)
     gradient_checkpointing_ratio: float | None = key(None, _CHECKPOINTING_RATIO_HELP)
     use_remove_padding: bool = key(True, _REMOVE_PADDING_HELP)
+    lora_rank: int = key(0, _LORA_RANK_HELP.format(what="critic's backbone", more=", its value head in full"))
+    lora_alpha: float = key(16, _LORA_ALPHA_HELP)
+    target_modules: Any = key("all-linear", _TARGET_MODULES_HELP)
     fsdp_config: FSDPConfig = key_factory(FSDPConfig, "FSDP2 sharding, offload and precision of the critic")
 
 

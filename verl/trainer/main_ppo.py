@@ -88,6 +88,7 @@ def run(raw: DictConfig) -> None:
     placement = (rollout_placement(cfg.rollout, device, sizes.world, needs_critic)
                  if run_cfg.rollout_ahead_steps else None)
     share = placement.training_share if placement else 0.5 if needs_critic else 1.0
+    log_lora(cfg, needs_critic)
     args = (cfg, sizes, total_steps, device)
     if run_cfg.single_process:
         group_cls = LocalWorkerGroup
@@ -113,6 +114,22 @@ def run(raw: DictConfig) -> None:
     if rollout is not None:
         rollout.shutdown(policy)
     policy.get([w.shutdown.remote() for w in policy.workers], "shutdown")
+
+
+def log_lora(cfg, needs_critic: bool) -> None:
+    """With LoRA adapters (model.lora_rank): what trains, and how the rollout engine gets them."""
+    from verl.workers.lora import weight_push
+    model, rollout = cfg.actor_rollout_ref.model, cfg.actor_rollout_ref.rollout
+    if model.lora_rank:
+        _, why = weight_push(model.lora_rank, rollout.name, rollout.lora_sync)
+        if cfg.trainer.rollout_ahead_steps:
+            why = "the rollout workers get the merged weights (trainer.rollout_ahead_steps)"
+        log.info("LoRA on the actor: rank %d, alpha %g, target_modules %s; the reference is the base model with "
+                 "the adapters off; %s", model.lora_rank, model.lora_alpha, model.target_modules, why)
+    if needs_critic and cfg.critic.model.lora_rank:
+        c = cfg.critic.model
+        log.info("LoRA on the critic: rank %d, alpha %g, target_modules %s (its value head in full)",
+                 c.lora_rank, c.lora_alpha, c.target_modules)
 
 
 def plan_memory(policy, critic, held_weights: float = 0.0) -> None:

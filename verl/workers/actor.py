@@ -3,6 +3,8 @@
 Each process holds an FSDP2 shard of the model (or the whole model when no process group exists:
 single-process runs and tests) and works on its own part of the step's trajectories. The update
 loop, batch sizes and loss scaling are the ones the critic shares: `verl.workers.update.TrainedModel`.
+With LoRA adapters (actor_rollout_ref.model.lora_rank, verl.workers.lora) only they train, and the
+reference log-probs come from the actor with its adapters switched off (`compute_base_logprobs`).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from verl.batch import RolloutBatch
 from verl.config.schema import ActorConfig, ModelConfig
 from verl.core_algos import agg_loss, kl_penalty, policy_loss, truncated_importance_weights
 from verl.workers.distributed import compute_device, mixed_precision_context, shard
+from verl.workers.lora import adapters_disabled, add_adapters
 from verl.workers.memory import synthetic_batch
 from verl.workers.modeling import build_causal_lm, compile_layers, pick_attn_implementation
 from verl.workers.packing import forward_packed, tokens_per_pack
@@ -34,10 +37,14 @@ def compiled(model: ModelConfig, device: torch.device) -> bool:
 
 
 def _load_policy_model(model: ModelConfig, gradient_checkpointing: float, param_offload: bool,
-                       mixed_precision: bool, device: torch.device):
+                       mixed_precision: bool, device: torch.device, adapters_seed: int | None = None):
+    """`adapters_seed`: with model.lora_rank, the LoRA adapters are added (drawn from it) before sharding."""
     # attn_implementation None picks the fastest available (modeling.pick_attn_implementation)
     lm = build_causal_lm(model.path, torch.float32, gradient_checkpointing,
                          attn_implementation=model.attn_implementation or pick_attn_implementation(mixed_precision))
+    if model.lora_rank and adapters_seed is not None:   # peft first, then FSDP2 shards what it built
+        add_adapters(lm, model.lora_rank, model.lora_alpha, model.target_modules, adapters_seed,
+                     "actor_rollout_ref.model")
     if dist.is_initialized():
         shard(lm, cpu_offload=param_offload, mixed_precision=mixed_precision)
     else:
@@ -96,7 +103,7 @@ class Actor(TrainedModel):
         device = compute_device()
         self.mixed_precision = cfg.fsdp_config.mixed_precision and device.type == "cuda"
         lm = _load_policy_model(model, checkpointed_share(model), cfg.fsdp_config.param_offload,
-                                self.mixed_precision, device)
+                                self.mixed_precision, device, adapters_seed=seed)
         dynamic, tokens = log_prob_budget
         budgets = TokenBudgets.from_config(
             (cfg.use_dynamic_bsz, cfg.ppo_max_token_len_per_gpu),
@@ -122,6 +129,15 @@ class Actor(TrainedModel):
         return _logprobs_in_micro_batches(self.model, batch, self.micro_batch_size, self.budgets.forward,
                                           self.temperature, self.max_tokens_per_pack, entropy, self.mixed_precision,
                                           self.state_masking)
+
+    def compute_base_logprobs(self, batch: RolloutBatch) -> torch.Tensor:
+        """logprobs_BR of the base model, the LoRA adapters switched off: the reference policy of a
+        LoRA run (actor_rollout_ref.model.lora_rank), which builds no Reference."""
+        plan_before_first_pass(self, batch)
+        with adapters_disabled(self.model):
+            return _logprobs_in_micro_batches(self.model, batch, self.micro_batch_size, self.budgets.forward,
+                                              self.temperature, self.max_tokens_per_pack, False,
+                                              self.mixed_precision)[0]
 
     def _probe_update(self, tokens: int) -> None:
         """One forward/backward of `tokens` synthetic tokens, as the update runs them (memory plan)."""

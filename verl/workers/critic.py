@@ -18,6 +18,7 @@ from verl.batch import RolloutBatch
 from verl.config.schema import ActorConfig, CriticConfig
 from verl.core_algos import value_loss
 from verl.workers.distributed import compute_device, mixed_precision_context, shard
+from verl.workers.lora import add_adapters
 from verl.workers.memory import synthetic_batch
 from verl.workers.modeling import build_value_model, pick_attn_implementation
 from verl.workers.packing import tokens_per_pack, values_packed
@@ -48,6 +49,9 @@ class Critic(TrainedModel):
              "ratio": "critic.model.gradient_checkpointing_ratio"})
         model = build_value_model(cfg.model.path, torch.float32, checkpointed,
                                   attn_implementation=pick_attn_implementation(self.mixed_precision))
+        if cfg.model.lora_rank:   # on the backbone; the value head trains in full
+            add_adapters(model.model, cfg.model.lora_rank, cfg.model.lora_alpha, cfg.model.target_modules, seed,
+                         "critic.model")
         if dist.is_initialized():
             shard(model, cpu_offload=fsdp.param_offload, mixed_precision=self.mixed_precision)
         else:

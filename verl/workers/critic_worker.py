@@ -58,9 +58,12 @@ class CriticWorker(ProfiledWorker):
 
     def save(self, root: str, step: int, trainer_state: dict, keep_last: int) -> None:
         from verl.checkpoint.store import save_checkpoint
+        from verl.workers.lora import adapter_config
+        c = self.critic.cfg.model
+        adapters = {"critic": adapter_config(self.critic.model, c.path)} if c.lora_rank else None
         save_checkpoint(os.path.join(root, "critic"), step,
                         {"critic": (self.critic.model, self.critic.optimizer, self.critic.scheduler)},
-                        trainer_state, keep_last)
+                        trainer_state, keep_last, adapters)
 
     def load(self, root: str, step: int) -> dict:
         from verl.checkpoint.store import load_checkpoint

@@ -86,7 +86,8 @@ def accumulation_steps(model: nn.Module, micro_batches: list, unsharded: bool) -
         model.set_reshard_after_backward(True)
 
 
-def _full_tensor(t: torch.Tensor) -> torch.Tensor:
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a shard (a collective for a DTensor); other tensors as they are."""
     if not isinstance(t, DTensor):
         return t
     local = t.to_local()
@@ -104,15 +105,21 @@ def full_state_dict_iter(model: nn.Module, dtype: torch.dtype | None = None) -> 
     iterator. Names are those of the unwrapped HF model (FSDP2 adds no prefixes); tied weights come
     once (`named_parameters` removes duplicates, as the rollout engines expect)."""
     def full(t):  # cast the shard, then gather: fewer bytes moved when dtype is narrower
-        return _full_tensor(t if dtype is None else t.to(dtype))
+        return full_tensor(t if dtype is None else t.to(dtype))
 
     for name, param in model.named_parameters():
         yield name, full(param.detach())
+    for name, buf in persistent_buffers(model):
+        yield name, full(buf)
+
+
+def persistent_buffers(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, buffer) of the buffers a state dict holds (the persistent ones)."""
     for module_name, module in model.named_modules():
         for buf_name, buf in module.named_buffers(recurse=False):
             if buf is None or buf_name in module._non_persistent_buffers_set:
                 continue
-            yield f"{module_name}.{buf_name}" if module_name else buf_name, full(buf)
+            yield f"{module_name}.{buf_name}" if module_name else buf_name, buf
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import tempfile
 import time
 
 import torch
@@ -16,6 +17,7 @@ from verl.config.schema import TrainerConfig
 from verl.config.sizes import Sizes
 from verl.utils.profiling import phase
 from verl.workers.generation import sample_trajectories, trajectories_batch
+from verl.workers.lora import WeightPush, vllm_lora_kwargs, weight_push
 from verl.workers.rollout.loop_from_config import agent_loop_settings, load_agent_loop
 from verl.workers.weight_transfer import WeightSender
 from verl.workers.worker_process import (ProfiledWorker, expandable_segments, join_process_group, release_cached_memory,
@@ -84,6 +86,8 @@ def shared_gpu_error(error: Exception) -> Exception:
 
 class PolicyWorker(ProfiledWorker, WeightSender):
     _expandable = False   # allocator switching (expandable_segments), decided in setup
+    push = WeightPush.FULL   # what sync_weights pushes into the engine, decided in setup (model.lora_rank)
+    _adapter_tmp: tempfile.TemporaryDirectory | None = None   # LoRA adapter files for the engine
 
     def __init__(self, rank: int, cfg: TrainerConfig, sizes: Sizes, total_steps: int, device: str):
         self.rank, self.cfg, self.sizes, self.total_steps, self.device = rank, cfg, sizes, total_steps, device
@@ -114,6 +118,7 @@ class PolicyWorker(ProfiledWorker, WeightSender):
         join_process_group(self.rank, self.sizes.world, master_addr, master_port, self.device)
         path = arr.model.path
         rollout = arr.rollout
+        self.push, _ = weight_push(arr.model.lora_rank, rollout.name, rollout.lora_sync)
         agent_cls, settings = load_agent_loop(agent_loop_spec(cfg)), agent_loop_settings(cfg, self.device)
         budget = cfg.data.max_prompt_length + agent_cls.max_response_tokens(settings)
         vllm_kw = {}
@@ -125,6 +130,8 @@ class PolicyWorker(ProfiledWorker, WeightSender):
                            enforce_eager=rollout.enforce_eager,
                            tensor_parallel_size=rollout.tensor_model_parallel_size, separate_core=separate,
                            **vllm_engine_kwargs(rollout, self.sizes.world, separate, self.device))
+            if self.push == WeightPush.ADAPTER:
+                vllm_kw |= vllm_lora_kwargs(arr.model.lora_rank)
             if cfg.trainer.profile_steps and separate:  # in process, this process's profiler sees the engine
                 vllm_kw["profile_dir"] = os.path.join(cfg.trainer.default_local_dir, "profile",
                                                       f"engine_policy{self.rank}")
@@ -140,8 +147,8 @@ class PolicyWorker(ProfiledWorker, WeightSender):
                            total_steps=self.total_steps, temperature=rollout.temperature,
                            seed=cfg.trainer.seed,
                            log_prob_budget=(rollout.log_prob_use_dynamic_bsz, rollout.log_prob_max_token_len_per_gpu))
-        self.reference = None
-        if a.use_kl_loss or cfg.algorithm.use_kl_in_reward:
+        self.reference = None   # with LoRA the actor is its own reference, adapters off (compute_ref_log_probs)
+        if (a.use_kl_loss or cfg.algorithm.use_kl_in_reward) and not arr.model.lora_rank:
             ref = arr.ref
             self.reference = Reference(arr.model, param_offload=ref.fsdp_config.param_offload,
                                        mixed_precision=a.fsdp_config.mixed_precision,
@@ -212,18 +219,33 @@ class PolicyWorker(ProfiledWorker, WeightSender):
         what the trainer runs on it next is the rollout (or a validation), which would wake it again at
         once."""
         from verl.workers.distributed import full_state_dict_iter
+        from verl.workers.lora import merged_state_dict_iter, write_adapter
         t0 = time.perf_counter()
         self.wake_rollout()
         rollout = self.cfg.actor_rollout_ref.rollout
         # Gathered in the engine's dtype (bf16 on GPU: half the bytes of the fp32 master weights).
         with explain_out_of_memory("pushing the actor's weights into the rollout engine", rollout):
-            self.engine.load_weights(full_state_dict_iter(self.actor.model, dtype=self.engine.dtype))
+            if self.push == WeightPush.ADAPTER:   # a few MB of adapter files, read by the engine
+                self.engine.load_adapter(write_adapter(self.actor.model, self._adapter_dir(),
+                                                       self.cfg.actor_rollout_ref.model.path))
+            elif self.push == WeightPush.MERGED:
+                self.engine.load_weights(merged_state_dict_iter(self.actor.model, dtype=self.engine.dtype))
+            else:
+                self.engine.load_weights(full_state_dict_iter(self.actor.model, dtype=self.engine.dtype))
         return time.perf_counter() - t0
+
+    def _adapter_dir(self) -> str:
+        """This worker's directory of the adapter the engine loads (its own: every worker has an engine)."""
+        if self._adapter_tmp is None:
+            self._adapter_tmp = tempfile.TemporaryDirectory(prefix=f"lora_policy{self.rank}_")
+        return self._adapter_tmp.name
 
     def shutdown(self) -> None:
         """End of training: stop the rollout engine while this process is still whole."""
         if self.cfg.actor_rollout_ref.rollout.name == "vllm" and self.engine is not None:
             self.engine.shutdown()
+        if self._adapter_tmp is not None:
+            self._adapter_tmp.cleanup()
 
     # -- training ------------------------------------------------------------------------------
 
@@ -235,6 +257,8 @@ class PolicyWorker(ProfiledWorker, WeightSender):
     @phase
     def compute_ref_log_probs(self, batch: RolloutBatch) -> torch.Tensor:
         with self._peak_memory("ref_log_probs"):
+            if self.reference is None:  # LoRA: the base model under the actor's adapters
+                return self.actor.compute_base_logprobs(batch).cpu()
             return self.reference.compute_logprobs(batch).cpu()
 
     @contextlib.contextmanager
@@ -272,8 +296,11 @@ class PolicyWorker(ProfiledWorker, WeightSender):
 
     def save(self, root: str, step: int, trainer_state: dict, keep_last: int) -> None:
         from verl.checkpoint.store import save_checkpoint
+        from verl.workers.lora import adapter_config
+        model = self.cfg.actor_rollout_ref.model
+        adapters = {"actor": adapter_config(self.actor.model, model.path)} if model.lora_rank else None
         save_checkpoint(root, step, {"actor": (self.actor.model, self.actor.optimizer, self.actor.scheduler)},
-                        trainer_state, keep_last)
+                        trainer_state, keep_last, adapters)
 
     def load(self, root: str, step: int) -> dict:
         from verl.checkpoint.store import load_checkpoint

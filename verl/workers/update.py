@@ -52,8 +52,8 @@ def clip_grad_norm_(parameters, max_norm: float | None) -> float:
 
 def build_optimizer(model: nn.Module, lr: float, weight_decay: float, betas: tuple[float, float]):
     # Weight decay on all parameters (norm weights and biases included): simple, and what the
-    # original Search-R1 (verl) runs did.
-    params = list(model.parameters())
+    # original Search-R1 (verl) runs did. Frozen ones (a LoRA model's base weights) have no state.
+    params = [p for p in model.parameters() if p.requires_grad]
     # The fused CUDA kernel: one launch per step instead of a few per parameter tensor.
     fused = bool(params) and all(p.device.type == "cuda" for p in params)
     return torch.optim.AdamW(params, lr=lr, betas=tuple(betas), weight_decay=weight_decay, fused=fused or None)

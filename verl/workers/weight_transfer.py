@@ -79,7 +79,11 @@ class WeightSender:
     _weight_group = None          # broadcast: the group with the rollout workers (rank 0 only)
 
     def _full_weights(self, dtype: str):
+        """The rollout workers' engines take full weights: with LoRA adapters, merged on the fly."""
         from verl.workers.distributed import full_state_dict_iter
+        from verl.workers.lora import lora_layers, merged_state_dict_iter
+        if lora_layers(self.actor.model):
+            return merged_state_dict_iter(self.actor.model, dtype=torch_dtype(dtype))
         return full_state_dict_iter(self.actor.model, dtype=torch_dtype(dtype))
 
     def export_weights(self, dtype: str) -> list | None:

@@ -221,3 +221,29 @@ def test_running_ahead_switches_the_engines_log_probs_on_and_refuses_them_off():
 def test_rollout_ahead_settings_that_cannot_work_are_refused_naming_the_key(keys, named):
     with pytest.raises(ConfigError, match=named.replace("[", r"\[").replace(".", r"\.")):
         _ahead(*keys)
+
+def test_loras_keys_are_verls_and_checked_at_start_up():
+    from hydra import compose, initialize_config_dir
+    base = ["data.train_files=t.parquet", "actor_rollout_ref.model.path=m"]
+    with initialize_config_dir(config_dir=str(CONFIG.parent), version_base=None):
+        def config(*keys):
+            return load_config(compose("ppo_trainer", overrides=base + list(keys)))
+        model = config().actor_rollout_ref.model   # verl's defaults: full fine-tuning
+        assert (model.lora_rank, model.lora_alpha, model.target_modules) == (0, 16, "all-linear")
+        cfg = config("actor_rollout_ref.model.lora_rank=32", "actor_rollout_ref.model.lora_alpha=64",
+                     "actor_rollout_ref.model.target_modules=[q_proj,v_proj]", "critic.model.lora_rank=8")
+        assert cfg.actor_rollout_ref.model.target_modules == ["q_proj", "v_proj"] and cfg.critic.model.lora_rank == 8
+        for keys, named in ((["actor_rollout_ref.model.lora_rank=-1"], "actor_rollout_ref.model.lora_rank"),
+                            (["critic.model.lora_rank=8", "critic.model.lora_alpha=0"], "critic.model.lora_alpha"),
+                            (["actor_rollout_ref.model.target_modules=[]"], "actor_rollout_ref.model.target_modules"),
+                            (["actor_rollout_ref.rollout.lora_sync=lazy"], "actor_rollout_ref.rollout.lora_sync"),
+                            (["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.rollout.name=hf",
+                              "actor_rollout_ref.rollout.lora_sync=adapter"], "rollout.name=hf takes no adapters"),
+                            (["actor_rollout_ref.model.lora_rank=1024", "actor_rollout_ref.rollout.lora_sync=adapter"],
+                             "up to 512"),
+                            (["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.rollout.lora_sync=adapter",
+                              "trainer.rollout_ahead_steps=1"], "rollout workers take the merged weights"),
+                            (["actor_rollout_ref.rollout.engine_kwargs={enable_lora:true}"],
+                             "actor_rollout_ref.model.lora_rank")):
+            with pytest.raises(ConfigError, match=named):
+                config(*keys)

@@ -209,7 +209,8 @@ class VLLMEngine:
             params = _vllm_sampling_params(sampling, stop, None)
         else:  # one seed per row: with equal seeds, samples of the same prompt would be identical
             params = [_vllm_sampling_params(sampling, stop, seed + row) for row in range(len(prompts))]
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False)
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False,
+                                    lora_request=self._adapter)
         return [_from_vllm_output(o) for o in outputs]  # vLLM returns them in input order
 
     async def generate_one(self, prompt_ids: list[int], sampling: SamplingConfig, stop: list[str]) -> Generation:
@@ -232,7 +233,8 @@ class VLLMEngine:
         params.output_kind = RequestOutputKind.FINAL_ONLY  # only the finished request is needed
         request_id = f"turn-{n}"
         # Outputs (and abort_request) carry this id; newer vLLM also returns an internal one we ignore.
-        self.llm.llm_engine.add_request(request_id, TokensPrompt(prompt_token_ids=list(prompt_ids)), params)
+        self.llm.llm_engine.add_request(request_id, TokensPrompt(prompt_token_ids=list(prompt_ids)), params,
+                                        lora_request=self._adapter)
         self._live[request_id] = key
 
     def step(self) -> list[tuple[int, Generation]]:
@@ -333,3 +335,23 @@ class VLLMEngine:
             self.llm.collective_rpc("refresh_tied_output_layer")
         # Cached prefixes hold keys/values computed by the old weights.
         self.llm.reset_prefix_cache()
+
+    # -- LoRA: the policy's adapters, served by vLLM (an engine built with enable_lora=True) ------
+
+    _adapter = None  # the LoRARequest every request carries once `load_adapter` was called
+
+    def load_adapter(self, path: str) -> None:
+        """Serve the PEFT adapter directory `path` (adapter_config.json, adapter_model.safetensors)
+        from now on, in place of the one loaded before. Each load takes a new id: vLLM keeps what it
+        loaded under an id and would not read the files again for it."""
+        from vllm.lora.request import LoRARequest
+
+        previous = self._adapter
+        n = 1 if previous is None else previous.lora_int_id + 1
+        if previous is not None:  # one adapter slot (max_loras=1): free it first
+            self.llm.llm_engine.remove_lora(previous.lora_int_id)
+        adapter = LoRARequest(f"policy-{n}", n, os.path.abspath(path))
+        if not self.llm.llm_engine.add_lora(adapter):
+            raise RuntimeError(f"vLLM did not load the LoRA adapter in {path}")
+        self._adapter = adapter
+        self.llm.reset_prefix_cache()  # cached prefixes hold keys/values computed by the old adapter
