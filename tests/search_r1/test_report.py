@@ -385,6 +385,6 @@ def test_tags_that_disagree_with_the_loss_mask_are_flagged():
     # The model wrote an <information> block itself: two blocks, one masked span.
     t = {"response": "<information>made up</information><search>q</search>\n<information>real</information>",
          "loss_mask": [1, 1, 1, 0, 0], "reward": 0.0}
-    assert "did the model write the tag itself?" in report._trajectory(0, t, open_=True)
+    assert "did the model write the tag itself?" in report.trajectories._trajectory(0, t, open_=True)
     t["loss_mask"] = [0, 1, 1, 0, 0]
-    assert "did the model write" not in report._trajectory(0, t, open_=True)
+    assert "did the model write" not in report.trajectories._trajectory(0, t, open_=True)

@@ -262,7 +262,8 @@ def test_the_export_writes_the_merged_model_and_the_peft_adapter(trained, small_
 def test_the_engine_computes_what_the_trainers_model_does(tiny_model_dir, push, tmp_path):
     if reason := vllm_skip_reason():
         pytest.skip(reason)
-    from verl.workers.rollout.engines import SamplingConfig, VLLMEngine
+    from verl.workers.rollout.engine import SamplingConfig
+    from verl.workers.rollout.vllm_engine import VLLMEngine
     model = ModelConfig(path=tiny_model_dir, enable_gradient_checkpointing=False, lora_rank=8, lora_alpha=16)
     actor = Actor(model, actor_config(ppo_epochs=1, optim=OptimConfig(lr=3e-2)), micro_batch_size=2,
                   temperature=TEMPERATURE)

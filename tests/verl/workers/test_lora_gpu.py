@@ -21,7 +21,8 @@ import torch
 from safetensors.torch import load_file
 from verl.workers.lora import add_adapters, merged_state_dict_iter, vllm_lora_kwargs
 from verl.workers.modeling import build_causal_lm
-from verl.workers.rollout.engines import SamplingConfig, VLLMEngine
+from verl.workers.rollout.engine import SamplingConfig
+from verl.workers.rollout.vllm_engine import VLLMEngine
 model_dir, adapter_dir, prompts, push = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), sys.argv[4]
 torch.cuda.is_available()
 lora = push == "adapter"
