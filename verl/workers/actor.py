@@ -83,7 +83,7 @@ def _probe_logprobs(role, tokens: int) -> None:
     """One no-grad log-prob pass of `tokens` synthetic tokens, as the log-prob passes run them (memory plan)."""
     batch = synthetic_batch(tokens, role.model.config.get_text_config().vocab_size)
     _logprobs_in_micro_batches(role.model, batch, len(batch), None, role.temperature, role.max_tokens_per_pack,
-                               False, role.mixed_precision)
+                               False, role.mixed_precision, state_masking=False)   # every position scored: the most
 
 
 class Actor(TrainedModel):
@@ -137,7 +137,7 @@ class Actor(TrainedModel):
         with adapters_disabled(self.model):
             return _logprobs_in_micro_batches(self.model, batch, self.micro_batch_size, self.budgets.forward,
                                               self.temperature, self.max_tokens_per_pack, False,
-                                              self.mixed_precision)[0]
+                                              self.mixed_precision, self.state_masking)[0]
 
     def _probe_update(self, tokens: int) -> None:
         """One forward/backward of `tokens` synthetic tokens, as the update runs them (memory plan)."""
