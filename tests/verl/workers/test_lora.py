@@ -5,7 +5,6 @@ whether it gets the merged weights or the adapters. At world size 2 the adapters
 and give the single-process update."""
 from __future__ import annotations
 
-import copy
 import json
 import os
 from dataclasses import replace
@@ -57,11 +56,18 @@ def lora_actor(model_dir: str, seed: int = 0, **overrides) -> Actor:
                  micro_batch_size=2, temperature=TEMPERATURE, seed=seed)
 
 
+def full(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor: an in-process vLLM engine of an earlier test leaves a one-process group
+    behind, under which the actors here are FSDP2-sharded (DTensor parameters)."""
+    from torch.distributed.tensor import DTensor
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
 def split(model) -> tuple[dict, dict]:
     """(adapter weights, every other parameter), cloned."""
     adapters, frozen = {}, {}
     for name, p in model.named_parameters():
-        (adapters if ".lora_" in name else frozen)[name] = p.detach().clone()
+        (adapters if ".lora_" in name else frozen)[name] = full(p.detach()).clone()
     return adapters, frozen
 
 
@@ -135,8 +141,9 @@ def test_the_merged_weights_are_the_trained_model(small_llama_dir, batch):
     assert {n: t.shape for n, t in merged.items()} == {n: t.shape for n, t in full_state_dict_iter(plain)}
     plain.load_state_dict(merged, strict=False)   # the tied lm_head comes with the embedding
     torch.testing.assert_close(hf_logits(plain, IDS_BT), hf_logits(actor.model, IDS_BT), atol=1e-4, rtol=1e-5)
-    # peft's own merge of a copy gives the same weights
-    copied = copy.deepcopy(actor.model)
+    # peft's own merge, of an unsharded copy holding the same adapters, gives the same weights
+    copied = add_adapters(build_causal_lm(small_llama_dir), RANK, ALPHA, "all-linear", seed=1, key="test")
+    copied.load_state_dict({n: full(p.detach()) for n, p in actor.model.named_parameters()}, strict=False)   # lm_head: tied
     for layer in lora_layers(copied).values():
         layer.merge()
     peft_merged = {n.replace(".base_layer.", "."): p for n, p in copied.named_parameters() if ".lora_" not in n}
