@@ -67,7 +67,7 @@ FACTS = [
 # `make test` runs two pytest-xdist workers, a test file at a time on each (`--dist loadfile`): the
 # longest files go first, so that the two workers end together.
 LONGEST_FIRST = ("tests/benchmarks/test_quick_benchmarks.py", "tests/verl/trainer/test_main_ppo.py",
-                 "tests/test_demo.py", "tests/search_r1/test_evaluate.py", "tests/search_r1/agent/test_loop.py",
+                 "tests/test_demo.py", "tests/verl/trainer/test_rollout_ahead.py", "tests/search_r1/test_evaluate.py", "tests/search_r1/agent/test_loop.py",
                  "tests/search_r1/retrieval/test_server.py", "tests/verl/workers/test_engines.py")
 
 

@@ -161,24 +161,6 @@ def test_val_only_validates_once_and_trains_nothing(tiny_model_dir, bundled_data
     assert not (tmp_path / "val_only" / "checkpoints").exists()
 
 
-def test_grpo_with_the_hf_rollout_engine(tiny_model_dir, bundled_data, bm25_server, tmp_path):
-    """rollout.name=hf end to end: transformers generates, and the updated weights are pushed into it
-    after each update (this path once failed at the first weight push with a TypeError). Two
-    mini-batches a step: the update computes the second one's old log-probs itself."""
-    args = common(tiny_model_dir, bundled_data, bm25_server) + [
-        "algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.name=hf", "trainer.single_process=true",
-        "trainer.n_gpus_per_node=1", "trainer.total_training_steps=2", "trainer.val_before_train=false",
-        "actor_rollout_ref.actor.ppo_mini_batch_size=2", "actor_rollout_ref.actor.use_kl_loss=true",
-        "algorithm.use_kl_in_reward=false", "trainer.profile_steps=[1]"]
-    rows, _ = train(args, tmp_path / "hf")
-    assert [r["step"] for r in rows] == [1, 2]
-    # one process: the policy's profiler records the step
-    assert sorted(p.name for p in (tmp_path / "hf" / "profile").iterdir()) == ["step1_policy0.json.gz",
-                                                                                "step1_policy0.txt"]
-    assert all(r["grad_norm"] > 0 and "timing_s/weight_sync" in r for r in rows)
-    assert all("timing_s/old_log_probs" not in r for r in rows)
-
-
 def test_a_resumed_run_continues_the_data_order_and_samples_what_the_uninterrupted_run_sampled(
         tiny_model_dir, bundled_data, bm25_server, tmp_path):
     """A run of 1 step, then a longer one in the same directory: it resumes at step 2 with the data
@@ -213,16 +195,23 @@ def test_a_resumed_run_continues_the_data_order_and_samples_what_the_uninterrupt
 def test_grpo_with_dapos_filter_groups_and_overlong_buffer(tiny_model_dir, bundled_data, bm25_server, tmp_path):
     """algorithm.filter_groups and reward_model.overlong_buffer (verl's keys) through main_ppo: each
     step logs its generation batches and dropped groups, every draw is listed in data_order.jsonl,
-    and the overlong penalty is logged."""
+    and the overlong penalty is logged. On rollout.name=hf end to end: transformers generates, and the
+    updated weights are pushed into it after each update (this path once failed at the first weight
+    push with a TypeError); two mini-batches a step, the update computing the second one's old
+    log-probs itself; one process, whose profiler records step 1."""
     args = common(tiny_model_dir, bundled_data, bm25_server) + [
         "algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.name=hf", "trainer.single_process=true",
         "trainer.n_gpus_per_node=1", "trainer.total_training_steps=2", "trainer.val_before_train=false",
         "actor_rollout_ref.actor.use_kl_loss=true", "algorithm.use_kl_in_reward=false",
         "algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=seq_reward",
         "algorithm.filter_groups.max_num_gen_batches=8", "reward_model.overlong_buffer.enable=true",
-        "reward_model.overlong_buffer.len=8", "reward_model.overlong_buffer.penalty_factor=0.5"]
+        "reward_model.overlong_buffer.len=8", "reward_model.overlong_buffer.penalty_factor=0.5",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=2", "trainer.profile_steps=[1]"]
     rows, _ = train(args, tmp_path / "dapo")
     assert [r["step"] for r in rows] == [1, 2]
+    assert sorted(p.name for p in (tmp_path / "dapo" / "profile").iterdir()) == ["step1_policy0.json.gz",
+                                                                                  "step1_policy0.txt"]
+    assert all("timing_s/weight_sync" in r and "timing_s/old_log_probs" not in r for r in rows)
     assert all(r["filter_groups/gen_batches"] >= 1 and "filter_groups/dropped_groups" in r
                and "reward/overlong_penalty" in r and r["grad_norm"] > 0 for r in rows)
     order = [json.loads(line) for line in (tmp_path / "dapo" / "data_order.jsonl").read_text().splitlines()]
