@@ -25,7 +25,7 @@ def _interrupt(signum, frame):
 
 def parse_args(argv=None) -> tuple[argparse.Namespace, Preset]:
     """The command line and the preset it selects, with the size flags applied."""
-    # prog: run as a package, argv[0] is its __main__.py
+    # named: run with -m, a package's argv[0] is its __main__.py, which says nothing to a user
     p = argparse.ArgumentParser(prog="python -m search_r1.demo",
                                 description=sys.modules[__package__].__doc__.splitlines()[0])
     p.add_argument("--out", default="outputs/demo")
