@@ -162,43 +162,43 @@ def test_a_failed_stage_names_its_log_and_shows_its_end(tmp_path, capsys):
 
 
 def test_progress_says_the_time_spent_and_what_the_last_run_took_from_there(tmp_path, capsys, monkeypatch):
-    from search_r1 import demo
+    from search_r1.demo import progress
     clock = iter([0.0, 60.0, 300.0, 600.0,      # a first run: start, stage 1, stage 2, end
                   1000.0, 1060.0])               # a rerun: start, stage 1
-    monkeypatch.setattr(demo.time, "time", lambda: next(clock))
-    first = demo.Progress(tmp_path, "cpu")
+    monkeypatch.setattr(progress.time, "time", lambda: next(clock))
+    first = progress.Progress(tmp_path, "cpu")
     first.stage(1, "one")
     first.stage(2, "two")
     first.finish()
     assert "2/7 two (5.0 min so far)" in capsys.readouterr().out
-    demo.Progress(tmp_path, "cpu").stage(1, "one")
+    progress.Progress(tmp_path, "cpu").stage(1, "one")
     assert "1/7 one (1.0 min so far; the last run here took 9 min more)" in capsys.readouterr().out
-    monkeypatch.setattr(demo.time, "time", lambda: 0.0)
-    demo.Progress(tmp_path, "gpu").stage(1, "one")  # another preset: no estimate
+    monkeypatch.setattr(progress.time, "time", lambda: 0.0)
+    progress.Progress(tmp_path, "gpu").stage(1, "one")  # another preset: no estimate
     assert "took" not in capsys.readouterr().out
 
 
 def test_step_watch_estimates_the_time_left_from_the_rows(tmp_path, monkeypatch):
     """A stage's progress line: steps from its metrics file, the time per step from when the rows
     arrived, the stage's own step count when its rows carry one, a time limit capping the estimate."""
-    from search_r1 import demo
+    from search_r1.demo import progress
     rows = tmp_path / "metrics.jsonl"
     clock = [1000.0]
-    monkeypatch.setattr(demo.time, "time", lambda: clock[0])
-    watch = demo.StepWatch("SFT", rows, total=8)
+    monkeypatch.setattr(progress.time, "time", lambda: clock[0])
+    watch = progress.StepWatch("SFT", rows, total=8)
     assert watch() is None                                    # nothing written yet
     rows.write_text('{"step": 1, "steps": 6}\n')
     assert watch() == "SFT step 1/6"
     clock[0] += 30
     rows.write_text('{"step": 1, "steps": 6}\n{"step": 2, "steps": 6}\n')
     assert watch() == "SFT step 2/6, 30 s a step: about 2 min left in this stage"   # 4 steps × 30 s
-    grpo = demo.StepWatch("GRPO", rows, total=1000, limit_s=90)
+    grpo = progress.StepWatch("GRPO", rows, total=1000, limit_s=90)
     rows.write_text('{"step": 0}\n{"step": 1}\n')
     grpo()
     clock[0] += 20
     rows.write_text('{"step": 0}\n{"step": 1}\n{"step": 2}\n')
     assert grpo() == "GRPO step 2/1000, 20 s a step: about 2 min left in this stage"  # the 90 s limit, not 998 steps
-    last = demo.StepWatch("GRPO", rows, total=4, then_s=75)   # the evaluation after it took 75 s before
+    last = progress.StepWatch("GRPO", rows, total=4, then_s=75)   # the evaluation after it took 75 s before
     rows.write_text('{"step": 0}\n{"step": 1}\n')
     last()
     clock[0] += 30

@@ -1,40 +1,18 @@
-"""Supervised warm start on search trajectories written in the exact rollout format.
-
-A small instruct model (the bundled SmolLM2-135M) rarely writes `<search>` or `<answer>` on its own,
-so RL starts with almost no reward to learn from. A short SFT pass on gold trajectories teaches
-the format first. The original Search-R1 has no SFT stage; this one is ours.
-
-What makes a trajectory "exact": it is built from ids the way `SearchAgent` builds a rollout (or,
-with `--protocol tools`, the tool-calling loop: search tool calls, tool messages from the chat
-template's own framing, the prompt rendered with the search tool).
-- prompt ids as `verl.utils.dataset.load_examples` makes them (chat template + generation prompt);
-- each model segment (`<think> … </think>` then `<search> … </search>` or `<answer> … </answer>`)
-  tokenized on its own and appended, loss 1;
-- each observation made by `SearchAgent.passage_ids` from real retrieval hits (same wrapper,
-  same cut at `max_obs_length`), loss 0: the model is never trained on the passages;
-- EOS after the answer, loss 1. The rollout's engine stops on `</answer>` before any EOS, so this
-  token is never sampled in RL; it is here so the SFT model also stops when run without stop strings.
-
-Gold paths for the bundled geography task use the retriever the model will meet in RL, and a
-question is kept only if its answer (and, for two hops, the country) is in the observation the
-model actually reads, so we never teach answering without evidence.
-"""
+"""The SFT data: `Example`, one trajectory as ids and a loss mask exactly as a rollout makes them
+(`_Builder` borrows the search agent's observation format), gold search trajectories for the bundled
+questions (`make_bundled_trajectories`), a user's trajectories from JSONL (`load_trajectory_jsonl`),
+and the refusal of test-split questions (`check_train_split`)."""
 from __future__ import annotations
 
 import json
 import logging
-import math
 import os
-import random
 import re
 from collections import Counter
 from dataclasses import dataclass, field
 from functools import lru_cache
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Callable
-
-import torch
 
 from search_r1.agent.loop import AgentConfig, SearchAgent
 from search_r1.data.bundled import with_article
@@ -42,7 +20,6 @@ from search_r1.data.templates import make_prompt, make_prompt_text
 
 log = logging.getLogger(__name__)
 
-METRICS_FILE = "sft_metrics.jsonl"
 SearchFn = Callable[[list[str], int], list[list[dict]]]   # (queries, topk) -> hits per query
 
 
@@ -56,10 +33,6 @@ class Example:
 
     def __len__(self) -> int:
         return len(self.prompt_ids) + len(self.response_ids)
-
-
-# ---------------------------------------------------------------------------------------------
-# Building trajectories
 
 
 class _Builder:
@@ -290,194 +263,3 @@ def load_trajectory_jsonl(path: str | os.PathLike, tokenizer, max_obs_length: in
     if not examples:
         raise ValueError(f"no trajectories in {path}")
     return examples
-
-
-# ---------------------------------------------------------------------------------------------
-# Loss and training
-
-
-def _pack(examples: list[Example], pad_id: int):
-    from verl.batch import pack_trajectories
-    return pack_trajectories([e.prompt_ids for e in examples], [e.response_ids for e in examples],
-                             [e.loss_mask for e in examples], list(range(len(examples))), pad_id)
-
-
-def masked_nll(model, examples: list[Example], pad_id: int, device="cpu") -> tuple[torch.Tensor, int]:
-    """(sum of -log p over the model tokens, number of model tokens). Observations, prompt and
-    padding never contribute."""
-    from verl.workers.packing import TOKENS_PER_PACK, forward_packed, tokens_per_pack
-    batch = _pack(examples, pad_id).to(device)
-    logprobs_BR, _ = forward_packed(model, batch.input_ids_BT, batch.attention_mask_BT, batch.prompt_width,
-                                    max_tokens_per_pack=tokens_per_pack(TOKENS_PER_PACK, batch.input_ids_BT.device),
-                                    loss_mask_BR=batch.loss_mask_BR)
-    return -(logprobs_BR * batch.loss_mask_BR).sum(), int(batch.loss_mask_BR.sum().item())
-
-
-def _autocast(device: torch.device):
-    # bf16 compute on GPUs; fp32 on the CPU. forward_packed takes the softmax in fp32 either way.
-    return torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
-
-
-@torch.no_grad()
-def mean_nll(model, examples: list[Example], pad_id: int, micro_batch_size: int = 8, device="cpu") -> float:
-    """Mean NLL per model token over `examples` (for before/after comparisons)."""
-    device = torch.device(device)
-    total, tokens = 0.0, 0
-    for lo in range(0, len(examples), micro_batch_size):
-        with _autocast(device):
-            nll, n = masked_nll(model, examples[lo:lo + micro_batch_size], pad_id, device)
-        total, tokens = total + nll.item(), tokens + n
-    return total / max(tokens, 1)
-
-
-def _train_step(model, rows: list[Example], optimizer, scheduler, micro_batch_size: int, pad_id: int,
-                device: torch.device, max_grad_norm: float) -> dict:
-    # Every micro-batch divides by the whole batch's token count, so the accumulated gradient is
-    # that of the mean over all model tokens of the batch, however it is split.
-    tokens = sum(sum(e.loss_mask) for e in rows)
-    lr = scheduler.get_last_lr()[0]
-    optimizer.zero_grad(set_to_none=True)
-    nll_sum = 0.0
-    for lo in range(0, len(rows), micro_batch_size):
-        with _autocast(device):
-            nll, _ = masked_nll(model, rows[lo:lo + micro_batch_size], pad_id, device)
-        (nll / tokens).backward()
-        nll_sum += nll.item()
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm).item()
-    if math.isfinite(grad_norm):
-        optimizer.step()
-    else:
-        log.warning("non-finite gradient norm: step skipped")
-    scheduler.step()
-    return {"loss": nll_sum / tokens, "tokens": tokens, "lr": lr, "grad_norm": grad_norm}
-
-
-def run_sft(model, data: list[Example], out_dir: str | os.PathLike, epochs: int = 2, lr: float = 5e-5,
-            batch_size: int = 16, micro_batch_size: int = 8, max_length: int = 2048, seed: int = 0,
-            warmup_ratio: float = 0.05, device: str | None = None, tokenizer=None,
-            weight_decay: float = 0.0, max_grad_norm: float = 1.0) -> dict:
-    """Train `model` (a path, or a loaded causal LM with `tokenizer`) on `data`, one process.
-
-    batch_size and micro_batch_size count trajectories; trajectories longer than max_length
-    tokens are left out (cutting one would drop its answer). Writes per-step metrics to
-    `<out_dir>/sft_metrics.jsonl` and the trained model and tokenizer to `<out_dir>`.
-    Returns a summary (steps, first and last loss, examples used).
-    """
-    from tqdm import tqdm
-
-    from verl.workers.modeling import build_causal_lm
-    from verl.workers.update import build_lr_scheduler, build_optimizer
-
-    if isinstance(model, (str, os.PathLike)):
-        from transformers import AutoTokenizer
-        tokenizer = tokenizer or AutoTokenizer.from_pretrained(str(model))
-        model = build_causal_lm(str(model))
-    if tokenizer is None:
-        raise ValueError("run_sft got a model object without its tokenizer: pass tokenizer=…")
-    check_train_split([e.meta for e in data])
-    if batch_size < 1 or micro_batch_size < 1:
-        raise ValueError("batch_size and micro_batch_size must be at least 1")
-    used = [e for e in data if len(e) <= max_length]
-    if len(used) < len(data):
-        log.warning("left out %d of %d trajectories longer than max_length=%d tokens",
-                    len(data) - len(used), len(data), max_length)
-    if not used:
-        raise ValueError(f"no trajectory fits in max_length={max_length} tokens: raise --max-length")
-
-    torch.manual_seed(seed)
-    order_rng = random.Random(seed)
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    model.to(device).train()
-    steps_per_epoch = math.ceil(len(used) / batch_size)
-    total_steps = epochs * steps_per_epoch
-    optimizer = build_optimizer(model, lr, weight_decay, (0.9, 0.999))
-    scheduler = build_lr_scheduler(optimizer, round(warmup_ratio * total_steps), total_steps, "constant", 0.0)
-
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    losses = []
-    with open(out / METRICS_FILE, "w") as metrics_file, tqdm(total=total_steps, desc="sft") as bar:
-        for epoch in range(epochs):
-            order = list(range(len(used)))
-            order_rng.shuffle(order)
-            for lo in range(0, len(order), batch_size):
-                rows = [used[i] for i in order[lo:lo + batch_size]]
-                m = _train_step(model, rows, optimizer, scheduler, micro_batch_size, pad_id, device,
-                                max_grad_norm)
-                m = {"step": len(losses) + 1, "steps": total_steps, "epoch": epoch, **m}
-                losses.append(m["loss"])
-                metrics_file.write(json.dumps(m) + "\n")
-                metrics_file.flush()
-                bar.update()
-                bar.set_postfix(loss=f"{m['loss']:.3f}")
-    model.save_pretrained(out)   # safetensors
-    tokenizer.save_pretrained(out)
-    summary = {"steps": total_steps, "examples": len(used), "first_loss": losses[0], "last_loss": losses[-1],
-               "out_dir": str(out)}
-    log.info("SFT done: %d steps, loss %.3f -> %.3f, model saved to %s", total_steps, losses[0], losses[-1], out)
-    return summary
-
-
-# ---------------------------------------------------------------------------------------------
-# Command line: `search-r1 sft`
-
-
-def add_parser(subparsers) -> None:
-    p = subparsers.add_parser("sft", help="supervised warm start on search trajectories")
-    p.add_argument("--model", help="model dir or hub id (default: the bundled SmolLM2-135M-Instruct)")
-    p.add_argument("--out", required=True, help="where the trained model and sft_metrics.jsonl go")
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--bundled", type=int, metavar="N_QUESTIONS",
-                     help="gold trajectories for the first N bundled training questions")
-    src.add_argument("--data", metavar="FILE.jsonl", help="your own trajectories (see load_trajectory_jsonl)")
-    p.add_argument("--retriever-url", default="http://127.0.0.1:8000/retrieve",
-                   help="the server the RL rollout will use (--bundled)")
-    p.add_argument("--topk", type=int, default=3, help="passages per search (--bundled)")
-    p.add_argument("--max-obs-length", type=int, default=500, help="tokens per observation, as data.max_obs_length")
-    p.add_argument("--template", choices=["instruct", "base"], default="instruct",
-                   help="the prompt (--bundled, tags protocol); the tools protocol uses the tool template")
-    p.add_argument("--protocol", choices=["tags", "tools"], default="tags",
-                   help="tags: Search-R1's <search>/<information>; tools: search tool calls and tool messages "
-                        "through the chat template (--bundled)")
-    p.add_argument("--epochs", type=int, default=2)
-    p.add_argument("--lr", type=float, default=5e-5)
-    p.add_argument("--batch-size", type=int, default=16, help="trajectories per optimizer step")
-    p.add_argument("--micro-batch-size", type=int, default=8, help="trajectories per forward")
-    p.add_argument("--max-length", type=int, default=2048, help="longer trajectories are left out")
-    p.add_argument("--warmup-ratio", type=float, default=0.05)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", help="cpu or cuda (default: cuda if present)")
-    p.set_defaults(func=sft_command)
-
-
-def sft_command(args) -> None:
-    from transformers import AutoTokenizer
-
-    from verl.workers.modeling import build_causal_lm
-
-    model_path = args.model
-    if model_path is None:
-        from search_r1.local_models import materialize_smollm2
-        model_path = materialize_smollm2(os.path.join(os.path.expanduser("~"), ".cache", "search_r1", "smollm2"))
-    tokenizer = AutoTokenizer.from_pretrained(str(model_path))
-    if args.bundled is not None:
-        from search_r1.data.bundled import bundled_paths, read_jsonl
-        from search_r1.retrieval.client import RetrievalClient
-
-        if args.bundled < 1:
-            raise ValueError("--bundled needs a positive number of questions")
-        questions = read_jsonl(bundled_paths()["train"])[:args.bundled]
-        with RetrievalClient(url=args.retriever_url) as client:
-            data, stats = make_bundled_trajectories(questions, client.retrieve, tokenizer, args.template,
-                                                    args.topk, args.max_obs_length, args.protocol)
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / "sft_data_stats.json").write_text(json.dumps(stats, indent=1))
-        if not data:
-            raise ValueError(f"none of the {len(questions)} questions had its answer in the retrieved "
-                             f"passages: check the server at {args.retriever_url} serves the bundled corpus")
-    else:
-        data = load_trajectory_jsonl(args.data, tokenizer, args.max_obs_length)
-    run_sft(build_causal_lm(str(model_path)), data, args.out, epochs=args.epochs, lr=args.lr,
-            batch_size=args.batch_size, micro_batch_size=args.micro_batch_size, max_length=args.max_length,
-            seed=args.seed, warmup_ratio=args.warmup_ratio, device=args.device, tokenizer=tokenizer)
