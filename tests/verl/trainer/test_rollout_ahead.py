@@ -19,21 +19,11 @@ from pathlib import Path
 import pytest
 
 from conftest import vllm_skip_reason
-from test_main_ppo import ROOT, common, train
+from test_main_ppo import ROOT, bundled_data, common, train  # noqa: F401 - bundled_data: the fixture
 
 pytestmark = pytest.mark.e2e
 
 SAMPLED = ["response/length", "response/model_tokens", "reward/mean", "agent/searches"]
-
-
-@pytest.fixture(scope="module")
-def bundled_data(tmp_path_factory):
-    from search_r1.data import preprocess
-    out = tmp_path_factory.mktemp("data")
-    for split in ("train", "test"):
-        preprocess.main(["--bundled", "--split", split, "--template", "instruct",
-                         "--out", str(out / f"{split}.parquet")])
-    return out
 
 
 def held_still(model, data, server):
