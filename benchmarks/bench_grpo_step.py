@@ -15,7 +15,15 @@ per-phase timings from its metrics.
 
 `--ahead 0 1` runs the same steps synchronously and with the rollout one step ahead of the update
 (trainer.rollout_ahead_steps; `--rollout-gpus N`: on N GPUs of its own instead of beside the policy
-workers), one row per step and mode, for a comparison in one call.
+workers), one row per step and mode, for a comparison in one call. `--variant` does the same for any
+keys, e.g. full fine-tuning next to LoRA:
+
+    python benchmarks/bench_grpo_step.py --shape 3b --variant full \
+        --variant lora actor_rollout_ref.model.lora_rank=64 actor_rollout_ref.model.lora_alpha=32
+
+`--gpu-gib 80` imitates a smaller GPU: a process of its own holds the rest of each GPU's memory for the
+whole call, so the trainer's memory plan and the engine see what an 80 GB GPU would leave them; the
+rollout's gpu_memory_utilization given in the overrides then counts in the imitated GPU.
 
 A random policy never writes `<search>`. `--search-every N` makes it search as a trained one does:
 `<search>` and `</search>` become single tokens of the model's tokenizer, and the trainer's
@@ -76,6 +84,9 @@ def main(argv=None):
                    help="a BERT-vocabulary tokenizer for --dense-rows' encoder")
     p.add_argument("--ahead", type=int, nargs="+", help="trainer.rollout_ahead_steps of each run, one run per "
                    "value in the same setting (0: synchronous); default: one run as the overrides say")
+    p.add_argument("--variant", nargs="+", action="append", metavar="NAME [KEY=VALUE ...]",
+                   help="one run per --variant in the same setting: its name, then the keys it adds to the overrides")
+    p.add_argument("--gpu-gib", type=float, help="imitate GPUs of this many GiB (a process holds the rest)")
     p.add_argument("--rollout-gpus", type=int, default=0, help="runs ahead: GPUs of the rollout workers' own "
                    "(rollout.n_gpus_per_node) beside the --gpus of the training; 0: beside the policy workers")
     p.add_argument("--workdir", default="outputs/bench_grpo")
@@ -83,6 +94,8 @@ def main(argv=None):
     p.add_argument("--out")
     p.add_argument("overrides", nargs="*", help="extra trainer keys, e.g. actor_rollout_ref.rollout.enable_sleep=false")
     a = p.parse_args(argv)
+    if a.ahead and a.variant:
+        p.error("--ahead and --variant each give the runs to compare: use one of them")
     if a.quick:
         a.shape, a.steps, a.prompts, a.n, a.gpus, a.response_length = "tiny", 1, 2, 2, 1, 16
         a.search_every = a.search_every or 4
@@ -144,41 +157,69 @@ def main(argv=None):
         args.append("actor_rollout_ref.rollout.logit_bias={" + ",".join(f"{t}:{b}" for t, b in bias.items()) + "}")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests" / "verl" / "trainer"),
                                                         os.environ.get("PYTHONPATH", "")])}
-    # one run per --ahead value, in the same setting and against the same retrieval server
-    modes = {k: [f"trainer.rollout_ahead_steps={k}"]
-             + ([f"rollout.n_gpus_per_node={a.rollout_gpus}"] if k and a.rollout_gpus else []) for k in a.ahead or []}
-    modes = modes or {None: []}   # no --ahead: one run, as the overrides say
+    # one run per variant (an --ahead value is one), in the same setting, against the same retrieval server
+    variants = {f"ahead{k}": [f"trainer.rollout_ahead_steps={k}"]
+                + ([f"rollout.n_gpus_per_node={a.rollout_gpus}"] if k and a.rollout_gpus else []) for k in a.ahead or []}
+    variants |= {name: keys for name, *keys in a.variant or []}
+    variants = variants or {None: []}   # neither: one run, as the overrides say
+    holder = hold_gpu_memory(a.gpus + a.rollout_gpus, a.gpu_gib, args) if a.gpu_gib else None
     t = time.perf_counter()
     runs = {}
     try:
-        for k, mode_args in modes.items():
-            run_dir = work / f"run_{a.shape}{'' if k is None else f'_ahead{k}'}_{int(time.time())}"
-            r = subprocess.run([sys.executable, "-m", "verl.trainer.main_ppo", *args, *mode_args,
+        for name, keys in variants.items():
+            run_dir = work / f"run_{a.shape}{'' if name is None else f'_{name}'}_{int(time.time())}"
+            r = subprocess.run([sys.executable, "-m", "verl.trainer.main_ppo", *args, *keys,
                                 f"trainer.default_local_dir={run_dir}", f"hydra.run.dir={run_dir / 'hydra'}"],
                                cwd=ROOT, env=env)
             if r.returncode:
                 raise SystemExit(f"training failed (exit {r.returncode}); see the log above")
-            runs[k] = run_dir
+            runs[name] = run_dir
     finally:
         if server is not None:
             server.stop()
+        if holder is not None:
+            holder.kill()
     import torch
     device = torch.cuda.get_device_name() if gpu and torch.cuda.is_available() else "cpu"
-    for k, run_dir in runs.items():
-        emit_rows(a, device, bias, k, run_dir)
+    for name, run_dir in runs.items():
+        emit_rows(a, device, bias, name, run_dir)
     print(f"wall {time.perf_counter() - t:.0f} s")
 
 
-def emit_rows(a, device: str, bias: dict, ahead: int | None, run_dir: Path) -> None:
-    """One row per step of the run in `run_dir` (`ahead`: its --ahead value, None without one)."""
+def hold_gpu_memory(gpus: int, gib: float, args: list[str]) -> subprocess.Popen:
+    """A process that holds all but `gib` GiB of each of the first `gpus` GPUs until it is killed; the
+    rollout's gpu_memory_utilization in `args` (a share of the imitated GPU) becomes the same number of
+    bytes as a share of the real one."""
+    import torch
+    total = torch.cuda.get_device_properties(0).total_memory / 2**30
+    if gib >= total:
+        raise SystemExit(f"--gpu-gib {gib} is not below this GPU's {total:.1f} GiB")
+    key = "actor_rollout_ref.rollout.gpu_memory_utilization="
+    i = max(i for i, arg in enumerate(args) if arg.startswith(key))   # the last one given wins, as in Hydra
+    args[i] = f"{key}{float(args[i].removeprefix(key)) * gib / total:.4f}"
+    code = ("import sys, time, torch\n"
+            f"held = [torch.empty(int(({total} - {gib}) * 2**30), dtype=torch.uint8, device=f'cuda:{{i}}') "
+            f"for i in range({gpus})]\n"
+            "print('held', flush=True)\ntime.sleep(1e9)\n")
+    holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    if holder.stdout.readline().strip() != "held":
+        raise SystemExit("the process holding GPU memory for --gpu-gib failed; see the log above")
+    print(f"imitating {gib} GiB GPUs: {total - gib:.1f} GiB of each held; {args[i]}", flush=True)
+    return holder
+
+
+def emit_rows(a, device: str, bias: dict, variant: str | None, run_dir: Path) -> None:
+    """One row per step of the run in `run_dir` (`variant`: its name, None without one)."""
     rows = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
     for row in rows:
         phases = {k.removeprefix("timing_s/"): round(v, 3) for k, v in row.items() if k.startswith("timing_s/")}
         out = {"device": device, "shape": a.shape, "gpus": a.gpus, "prompts": a.prompts, "n": a.n,
                "mini_batches": a.mini_batches,
                "search_every": a.search_every, "tag_bias": bias or None, "overrides": a.overrides,
-               **({} if ahead is None else {"rollout_ahead_steps": ahead,
-                                            "rollout_gpus": a.rollout_gpus if ahead else 0}),
+               **({} if variant is None else {"variant": variant}),
+               **({} if a.gpu_gib is None else {"gpu_gib": a.gpu_gib}),
+               **({"rollout_ahead_steps": int(variant.removeprefix("ahead")),
+                   "rollout_gpus": a.rollout_gpus if variant != "ahead0" else 0} if a.ahead else {}),
                "step": row["step"], "phases_s": phases,
                **{k: round(row[k], 4) for k in ("reward/mean", "grad_norm", "kl_loss", "response/length",
                                                  "agent/searches", "agent/turns", "agent/retrieval_s",
