@@ -147,6 +147,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--engine-core", choices=["in-process", "separate"], default="in-process",
                    help="vLLM's engine core (scheduler + model) in this process, as the trainer runs it, or in a "
                         "process of its own (VLLM_ENABLE_V1_MULTIPROCESSING=1), away from the agent loop's Python")
+    p.add_argument("--retriever-url", help="search this running server (its /retrieve) instead of starting one "
+                   "over a MiniLM index of the bundled corpus (e.g. the tests' BM25 server)")
     p.add_argument("--retrieval-devices",
                    help="the retrieval server's --devices, e.g. cpu (default: the server's, every GPU)")
     p.add_argument("--seed", type=int, default=0)
@@ -519,10 +521,11 @@ def main(argv=None):
         rows.append(row)
         emit_row(row, a.out)
 
-    server = start_retrieval_server(a, work, gpu)
+    server = None if a.retriever_url else start_retrieval_server(a, work, gpu)
     t_start = time.perf_counter()
     try:
-        searcher = TimedSearcher(HTTPSearcher(RetrieverConfig(url=f"{server.url}/retrieve", topk=a.topk)))
+        url = a.retriever_url or f"{server.url}/retrieve"
+        searcher = TimedSearcher(HTTPSearcher(RetrieverConfig(url=url, topk=a.topk)))
         searcher.search(["warm up"], a.topk)
         asyncio.run(searcher.asearch(["warm up"], a.topk))
         # vLLM first: it takes its share of GPU memory at start, and HF uses what is left.
@@ -559,7 +562,8 @@ def main(argv=None):
                     a.profile, tuple(int(k) for k in a.admit_every_steps.split(",")), a.baseline_repeats, a.timeline,
                     a.torch_profile if name == "vllm" else None)
     finally:
-        server.stop()
+        if server is not None:
+            server.stop()
     print_table(rows)
     print(f"measured in {time.perf_counter() - t_start:.0f} s")
 

@@ -22,7 +22,7 @@ def _rounding(num_s: float, den_s: float) -> float:
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
-def test_quick(script, tmp_path):
+def test_quick(script, tmp_path, bundled_bm25_server):
     if not (ROOT / "benchmarks" / script).exists():
         pytest.fail(f"benchmarks/{script} is missing")
     out = tmp_path / "out.jsonl"
@@ -35,7 +35,9 @@ def test_quick(script, tmp_path):
     if script == "bench_grpo_step.py":
         args += ["--mini-batches", "2"]   # the original's recipe: two optimizer steps a training step
     if script == "bench_rollout.py":  # vLLM's engine core in a process of its own, its steps recorded
-        args += ["--engine-core", "separate", "--baseline-repeats", "2", "--core-stats",
+        # (against the session's BM25 server: the script's own MiniLM index of the corpus takes a minute)
+        args += ["--retriever-url", f"{bundled_bm25_server.url}/retrieve",
+                 "--engine-core", "separate", "--baseline-repeats", "2", "--core-stats",
                  "--timeline", str(tmp_path / "timeline.jsonl")]
     r = subprocess.run(args, capture_output=True, text=True, timeout=300, cwd=ROOT,
                        env={**os.environ, "PYTHONPATH": str(ROOT)})
@@ -166,7 +168,7 @@ def test_server_with_worker_process(tmp_path):
     assert "'encode':" in r.stdout  # the worker phases came back from the child
 
 
-def test_rollout_with_two_engines_sharing_the_device(tmp_path):
+def test_rollout_with_two_engines_sharing_the_device(tmp_path, bundled_bm25_server):
     """--engines 2: two vLLM engines (cores in processes of their own), each with half the
     trajectories, run the agent and every baseline at once; one row per mode with both engines'
     statistics, the replay writing exactly the agent's tokens on each engine. --vllm-arg reaches
@@ -176,7 +178,8 @@ def test_rollout_with_two_engines_sharing_the_device(tmp_path):
     out = tmp_path / "out.jsonl"
     args = [sys.executable, str(ROOT / "benchmarks" / "bench_rollout.py"), "--quick", "--engine", "vllm",
             "--schedules", "continuous", "--engine-core", "separate", "--engines", "2", "--trajectories", "4",
-            "--vllm-arg", "max_num_seqs=2", "--out", str(out), "--workdir", str(tmp_path / "work")]
+            "--vllm-arg", "max_num_seqs=2", "--retriever-url", f"{bundled_bm25_server.url}/retrieve",
+            "--out", str(out), "--workdir", str(tmp_path / "work")]
     r = subprocess.run(args, capture_output=True, text=True, timeout=300, cwd=ROOT,
                        env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert r.returncode == 0, r.stderr[-3000:]
