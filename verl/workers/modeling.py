@@ -203,6 +203,7 @@ def build_value_model(path: str, dtype: torch.dtype = torch.float32, gradient_ch
     if attn_implementation == VARLEN_ATTN:
         register_varlen_attention()
     backbone = AutoModel.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
+    _no_router_aux_loss(backbone)
     model = ValueModel(backbone)
     _disable_dropout(model)
     _enable_gradient_checkpointing(model, float(gradient_checkpointing))
