@@ -35,9 +35,9 @@ weights into it; `--engine-core separate` gives it a process of its own, so the 
 trajectories and of the memory share, all at once — the agent and each baseline alike: where one
 core's per-request CPU work leaves the GPU idle part of every step, K cores may fill it.
 
-Model: random weights of a Qwen2.5 shape (Llama layout, tied embeddings: `random_models.py`, as
-`bench_grpo_step.py` builds it), vocabulary = the tokenizer's: SmolLM2's 49,152 (+2 tags) by default;
-pass --tokenizer with a Qwen2.5 tokenizer for its 151k-token LM head.
+Model: random weights of a Qwen2.5 shape (Llama layout), Qwen3-4B or Qwen3-30B-A3B (`random_models.py`,
+as `bench_grpo_step.py` builds it), vocabulary = the tokenizer's: SmolLM2's 49,152 (+2 tags) by default;
+pass --tokenizer with a Qwen2.5 or Qwen3 tokenizer for its 151k-token LM head.
 
 How the random policy is steered (on its own it never writes a tag):
 - `<search>` and `</search>` are added to the tokenizer as single ordinary (not special) tokens: each

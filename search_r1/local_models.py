@@ -7,6 +7,10 @@ close to, but not identical with, the published bf16 checkpoint.
 
 `make_tiny_model` writes a randomly initialised Llama with SmolLM2's real tokenizer: output is
 gibberish, but every code path (chat template, stop strings, EOS, engines) runs in seconds.
+
+`write_random_model` writes random weights for any transformers config (the benchmarks' shapes,
+up to a 30B mixture of experts) without ever holding the model: shapes come from a model built on
+the meta device, and the weights are drawn and written one shard at a time.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import logging
 import os
 import shutil
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -183,6 +188,109 @@ def make_tiny_model(
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    _publish(tmp, out)
+    made.write_text(spec)
+    return str(out)
+
+
+def _tensor_seed(seed: int, name: str) -> int:
+    # Each tensor's draw depends on the seed and its name only: the same weights whatever the
+    # sharding or the order in which the threads draw them.
+    return int(hashlib.sha256(f"{seed}:{name}".encode()).hexdigest()[:15], 16)
+
+
+def _random_weight(name: str, shape: torch.Size, dtype: torch.dtype, init_std: float, seed: int) -> torch.Tensor:
+    """Matrices (and expert stacks) normal(0, init_std), norm weights 1, other vectors (biases) 0:
+    how transformers initialises these models."""
+    if len(shape) >= 2:
+        generator = torch.Generator().manual_seed(_tensor_seed(seed, name))
+        return torch.empty(shape, dtype=dtype).normal_(0.0, init_std, generator=generator)
+    return (torch.ones if "norm" in name else torch.zeros)(shape, dtype=dtype)
+
+
+def _shards(named_shapes: list[tuple[str, torch.Size]], itemsize: int, max_shard_bytes: int) -> list[list]:
+    """Consecutive (name, shape) lists of at most `max_shard_bytes` each, never splitting a decoder
+    layer (its experts' per-expert names come from converting the layer's tensors together)."""
+    groups: list[list] = []
+    for name, shape in named_shapes:
+        layer = name.split(".layers.")[1].split(".")[0] if ".layers." in name else None
+        if groups and layer is not None and groups[-1][0] == layer:
+            groups[-1][1].append((name, shape))
+        else:
+            groups.append([layer, [(name, shape)]])
+    shards: list[list] = [[]]
+    size = 0
+    for _, group in groups:
+        group_bytes = sum(shape.numel() for _, shape in group) * itemsize
+        if shards[-1] and size + group_bytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].extend(group)
+        size += group_bytes
+    return shards
+
+
+def write_random_model(out_dir: str | os.PathLike, config, tokenizer_from: str | os.PathLike | None = None,
+                       init_std: float = 0.02, seed: int = 0, max_shard_bytes: int = 2 << 30) -> str:
+    """Write a causal LM of `config` (a transformers config: its architecture, sizes and `dtype`) with
+    random weights, and a real tokenizer (SmolLM2's by default, or the one in `tokenizer_from`), whose
+    size becomes the vocabulary's. The model is built on the meta device only (shapes, no memory);
+    each shard's weights are drawn (by threads), converted to the layout `save_pretrained` writes (a
+    mixture of experts' weights one tensor per expert, as published checkpoints hold them) and
+    written before the next is drawn, so memory stays at about twice a shard whatever the model's
+    size. Same arguments, vocabulary and seed give the same weights, and a directory written by them
+    is kept as it is."""
+    import copy
+
+    from tqdm import tqdm
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    from transformers.core_model_loading import revert_weight_conversion
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    tokenizer = (load_smollm2_tokenizer() if tokenizer_from is None
+                 else AutoTokenizer.from_pretrained(tokenizer_from))
+    config = copy.deepcopy(config)
+    config.vocab_size = len(tokenizer)
+    config.bos_token_id, config.eos_token_id = tokenizer.bos_token_id, tokenizer.eos_token_id
+    config.pad_token_id = tokenizer.pad_token_id
+    dtype = config.dtype if isinstance(config.dtype, torch.dtype) else getattr(torch, config.dtype or "float32")
+    vocab = hashlib.sha256(json.dumps(sorted(tokenizer.get_vocab().items())).encode()).hexdigest()
+    spec = json.dumps(dict(vocab=vocab, config=config.to_diff_dict(), init_std=init_std, seed=seed), sort_keys=True,
+                      default=str)
+    made = out / _MADE_WITH
+    if made.exists() and made.read_text() == spec and (out / "config.json").exists():
+        return str(out)
+    made.unlink(missing_ok=True)   # written last: a rewrite cut short is not taken for a finished one
+    for stale in out.glob("model*.safetensors*"):   # another shape's shards: loaders would read them too
+        stale.unlink()
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    # named_parameters lists a tied output layer once, under the embedding's name, as checkpoints hold it
+    named_shapes = [(name, p.shape) for name, p in model.named_parameters()]
+    shards = _shards(named_shapes, dtype.itemsize, max_shard_bytes)
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    files = (["model.safetensors"] if len(shards) == 1 else
+             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+    weight_map, total_bytes = {}, 0
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:   # torch draws without the GIL
+        for file, shard in zip(files, tqdm(shards, desc=f"writing {out.name}", unit="shard", disable=len(shards) == 1)):
+            tensors = pool.map(lambda item: _random_weight(*item, dtype, init_std, seed), shard)
+            converted = revert_weight_conversion(model, {name: t for (name, _), t in zip(shard, tensors)})
+            save_file(converted, tmp / file, metadata={"format": "pt"})
+            weight_map |= dict.fromkeys(converted, file)
+            total_bytes += sum(t.numel() * t.element_size() for t in converted.values())
+            del converted
+    if len(shards) > 1:
+        (tmp / "model.safetensors.index.json").write_text(json.dumps(
+            {"metadata": {"total_size": total_bytes}, "weight_map": dict(sorted(weight_map.items()))}, indent=2))
+    config.save_pretrained(tmp)
+    # Only token ids: vLLM takes sampling defaults from this file, and we want none.
+    GenerationConfig(bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id,
+                     pad_token_id=config.pad_token_id).save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     _publish(tmp, out)
     made.write_text(spec)

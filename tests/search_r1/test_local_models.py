@@ -111,3 +111,36 @@ def test_the_smollm2_tokenizer_is_read_from_the_gguf_file_once_then_from_the_cac
     (cached / "tokenizer.json").write_text("{")
     assert load_smollm2_tokenizer().get_vocab() == first.get_vocab()
     assert (cached / "made_with.json").is_file() and AutoTokenizer.from_pretrained(cached).get_vocab() == first.get_vocab()
+
+
+def test_a_random_model_is_written_shard_by_shard_in_the_checkpoint_layout_and_loads(tiny_model_dir, tmp_path):
+    """write_random_model: a Qwen3-MoE config in bf16 over three shards (an index naming every tensor,
+    one tensor per expert as save_pretrained writes them) that transformers loads with nothing missing;
+    the same seed gives the same weights."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import Qwen3MoeConfig
+
+    from search_r1.local_models import write_random_model
+    config = Qwen3MoeConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                            head_dim=32, intermediate_size=128, moe_intermediate_size=32, num_experts=4,
+                            num_experts_per_tok=2, tie_word_embeddings=False, dtype="bfloat16")
+
+    def write(name, seed):
+        return Path(write_random_model(tmp_path / name, config, tokenizer_from=tiny_model_dir, init_std=0.02,
+                                       seed=seed, max_shard_bytes=4 << 20))
+
+    first = write("a", 0)
+    index = json.loads((first / "model.safetensors.index.json").read_text())["weight_map"]
+    files = sorted(set(index.values()))
+    assert files == [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]   # embedding | layers | head
+    assert "model.layers.1.mlp.experts.3.down_proj.weight" in index and "lm_head.weight" in index
+    model, info = AutoModelForCausalLM.from_pretrained(first, output_loading_info=True)
+    assert not any(info.values()) and model.dtype == torch.bfloat16
+    assert model.config.vocab_size == len(AutoTokenizer.from_pretrained(tiny_model_dir))
+    assert model.model.layers[0].mlp.experts.gate_up_proj.float().std().item() == pytest.approx(0.02, rel=0.1)
+
+    def tensors(d):
+        return {k: v for f in files for k, v in load_file(d / f).items()}
+    again = tensors(write("b", 0))
+    assert all(torch.equal(t, again[name]) for name, t in tensors(first).items())

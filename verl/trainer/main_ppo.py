@@ -98,7 +98,7 @@ def run(raw: DictConfig) -> None:
     policy = group_cls(PolicyWorker, sizes.world, device, share, "policy", *args)
     critic = group_cls(CriticWorker, sizes.world, device, share, "critic", *args) if needs_critic else None
     rollout = RolloutGroup(RolloutWorker, placement, cfg, device) if placement else None
-    n_params = sum(p.numel() for p in _count_params(cfg.actor_rollout_ref.model.path))
+    n_params, n_active = _param_counts(cfg.actor_rollout_ref.model.path)
     if rollout is not None:
         rollout.connect(policy)
     # after the rollout workers' engines took their memory: beside the policy's they do not sleep
@@ -109,7 +109,7 @@ def run(raw: DictConfig) -> None:
     tracker = Tracker(run_cfg.logger, run_cfg.default_local_dir, run_cfg.project_name,
                       run_cfg.experiment_name, OmegaConf.to_container(raw, resolve=True))
     trainer = PPOTrainer(cfg, sizes, policy, critic, sampler, val, tracker, total_steps, device_name,
-                         n_params, rollout)
+                         n_active, rollout)
     trainer.fit()
     if rollout is not None:
         rollout.shutdown(policy)
@@ -179,13 +179,16 @@ def tool_chat_format(cfg, tokenizer):
         raise ConfigError(f"actor_rollout_ref.rollout.multi_turn: {e}") from None
 
 
-def _count_params(path):
-    """Parameter shapes from the config alone (no weights loaded in the driver)."""
+def _param_counts(path) -> tuple[int, int]:
+    """(all, active per token) parameters of the policy, from the config alone (no weights loaded in
+    the driver): memory takes all of them, the MFU estimate the active ones (`active_param_count`)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
+
+    from verl.trainer.metrics import active_param_count
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
-    return list(model.parameters())
+    return sum(p.numel() for p in model.parameters()), active_param_count(model)
 
 
 def _overridden_keys() -> set[str]:

@@ -115,11 +115,33 @@ def score_trajectories(batch: RolloutBatch, reward_fn, reward_kwargs: dict, with
     return torch.tensor(rewards, dtype=torch.float32), metrics
 
 
+def active_param_count(model: torch.nn.Module) -> int:
+    """The parameters a token runs through, which the update's FLOPs scale with (memory scales with
+    all of them): all, except that a mixture of experts runs `num_experts_per_tok` of its routed
+    experts (the parameters under `.experts.`), so only that share of theirs counts. Counting every
+    expert would put a 30B-A3B model's MFU nine times too high."""
+    total = experts = 0
+    for name, p in model.named_parameters():
+        total += p.numel()
+        if ".experts." in name:
+            experts += p.numel()
+    if not experts:
+        return total
+    config = model.config.get_text_config()
+    n_experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
+    per_token = getattr(config, "num_experts_per_tok", None)
+    if not (n_experts and per_token):
+        raise ValueError(f"{type(model).__name__} has expert parameters but its config names no num_experts (or "
+                         "num_local_experts) and num_experts_per_tok: cannot tell how many of them a token runs through")
+    return total - experts + experts * per_token // n_experts
+
+
 def throughput_metrics(batch: RolloutBatch, seconds: dict, n_params: int | None, peak_flops: float | None,
                        ppo_epochs: int, world: int, generated: int | None = None) -> dict:
     """Tokens per second of the rollout and the actor update, and the update's model FLOPs utilisation
-    (with the policy's parameter count and the GPU's peak). `generated`: the model tokens the rollout
-    wrote, where it wrote more than the batch holds (groups dropped by algorithm.filter_groups)."""
+    (with the policy's parameters a token runs through, `active_param_count`, and the GPU's peak).
+    `generated`: the model tokens the rollout wrote, where it wrote more than the batch holds (groups
+    dropped by algorithm.filter_groups)."""
     tokens = int(batch.attention_mask_BT.sum())
     if generated is None:
         generated = sum(s.model_tokens for s in batch.info["stats"])

@@ -48,7 +48,8 @@ class PPOTrainer:
     def __init__(self, cfg: TrainerConfig, sizes: Sizes, policy, critic, sampler: PromptSampler,
                  val_examples: list[Example] | None, tracker, total_steps: int, device_name: str,
                  n_params: int | None = None, rollout=None):
-        """`n_params`: the policy's parameter count, for the MFU estimate (None: no estimate); `rollout`:
+        """`n_params`: the policy's parameters a token runs through (`active_param_count`: a mixture of
+        experts counts only the experts it routes to), for the MFU estimate (None: no estimate); `rollout`:
         the rollout workers' group (trainer.rollout_ahead_steps >= 1), else None."""
         self.cfg, self.sizes, self.policy, self.critic = cfg, sizes, policy, critic
         self.generators = rollout or policy   # whose workers generate

@@ -104,6 +104,18 @@ def _disable_dropout(model: nn.Module) -> None:
             module.attention_dropout = 0.0
 
 
+def _no_router_aux_loss(model: nn.Module) -> None:
+    # Mixture-of-experts models (Qwen3-MoE) can return every layer's router logits and a load-balancing
+    # loss over them (config.output_router_logits, router_aux_loss_coef). We do not add that loss: it is
+    # a pretraining device that keeps the experts evenly loaded while a router is learned from scratch.
+    # The policy starts from a trained, balanced router; the balance term would be a second objective
+    # pulling the router away from what the policy gradient asks of it, and nothing downstream needs it
+    # (the rollout engine routes with whatever router it is pushed). Off, the router logits of every
+    # layer are not collected either.
+    if getattr(model.config, "output_router_logits", None):
+        model.config.output_router_logits = False
+
+
 def _enable_gradient_checkpointing(model, ratio: float = 1.0) -> None:
     """Checkpoint round(ratio × layers) decoder layers, spread evenly over the depth (0.5: every other
     layer). The others keep their activations for backward: less recompute, more memory."""
@@ -144,6 +156,7 @@ def build_causal_lm(path: str, dtype: torch.dtype = torch.float32, gradient_chec
     if attn_implementation == VARLEN_ATTN:
         register_varlen_attention()
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
+    _no_router_aux_loss(model)
     _disable_dropout(model)
     _enable_gradient_checkpointing(model, float(gradient_checkpointing))
     return model
@@ -190,6 +203,7 @@ def build_value_model(path: str, dtype: torch.dtype = torch.float32, gradient_ch
     if attn_implementation == VARLEN_ATTN:
         register_varlen_attention()
     backbone = AutoModel.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
+    _no_router_aux_loss(backbone)
     model = ValueModel(backbone)
     _disable_dropout(model)
     _enable_gradient_checkpointing(model, float(gradient_checkpointing))

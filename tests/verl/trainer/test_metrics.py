@@ -54,3 +54,20 @@ def test_a_function_without_options_takes_no_kwargs():
     with pytest.raises(ConfigError, match=r"reward.reward_kwargs.scale: the reward function .*plain_reward declares "
                                           r"no options dataclass"):
         reward_kwargs_for(plain_reward, {"scale": 2})
+
+
+def test_the_mfu_counts_the_experts_a_token_runs_through_not_all_of_them():
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3MoeConfig
+
+    from verl.trainer.metrics import active_param_count
+    shape = dict(vocab_size=1000, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                 head_dim=32, intermediate_size=128)
+    with torch.device("meta"):
+        dense = AutoModelForCausalLM.from_config(Qwen3Config(**shape))
+        moe = AutoModelForCausalLM.from_config(Qwen3MoeConfig(**shape, moe_intermediate_size=32, num_experts=8,
+                                                              num_experts_per_tok=2))
+    assert active_param_count(dense) == sum(p.numel() for p in dense.parameters())
+    total = sum(p.numel() for p in moe.parameters())
+    experts = 2 * 8 * 3 * 32 * 64   # layers × experts × (gate, up, down) × moe_intermediate × hidden
+    assert active_param_count(moe) == total - experts + experts // 4

@@ -125,6 +125,44 @@ def test_the_defaults_measure_a_token_budget_and_update_within_it(model_dir):
     assert math.isfinite(metrics["grad_norm"]) and metrics["grad_norm"] > 0
 
 
+def test_a_qwen3_moe_trains_with_the_one_gpu_defaults(tmp_path):
+    """Qwen3-MoE as a one-GPU run trains it, which the CPU tests cannot reach: FSDP2 over a process group
+    of one (NCCL) computing in bf16, the varlen attention, compiled decoder layers around the experts'
+    grouped matrix products, a measured token budget. Log-probs near the fp32 forward; one update (no
+    weight decay) moves every expert of every layer and the routers."""
+    import torch.distributed as dist
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    config = Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=256, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, head_dim=64, intermediate_size=512, moe_intermediate_size=128,
+                            num_experts=8, num_experts_per_tok=2, max_position_embeddings=1024,
+                            tie_word_embeddings=False, initializer_range=0.1)
+    torch.manual_seed(0)
+    Qwen3MoeForCausalLM(config).save_pretrained(tmp_path)
+    batch = make_batch()
+    with torch.no_grad():
+        fp32_BR, _ = forward_padded(build_causal_lm(str(tmp_path)).cuda(), batch.input_ids_BT.cuda(),
+                                    batch.attention_mask_BT.cuda(), batch.prompt_width)
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=torch.device("cuda", 0))
+    try:
+        actor = Actor(ModelConfig(path=str(tmp_path)), ActorConfig(optim=OptimConfig(lr=1e-2, weight_decay=0.0)),
+                      micro_batch_size=2)
+        assert actor.model.config._attn_implementation in (VARLEN_ATTN, "flash_attention_2")
+        logprobs_BR = actor.compute_logprobs(batch)
+        # bf16 compute of a random model: ~0.03 nats mean; a token whose router scores nearly tie can
+        # take another expert in bf16, hence the wider bound on the largest error than a dense model's
+        err_N = (logprobs_BR - fp32_BR.cpu())[batch.loss_mask_BR.bool()].abs()
+        assert err_N.mean() < 0.05 and err_N.max() < 1.0, (err_N.mean(), err_N.max())
+        before = {n: t.cpu() for n, t in full_state_dict_iter(actor.model)}
+        metrics = actor.update(with_old_logprobs(batch, logprobs_BR), mini_batch_size=8)
+        assert math.isfinite(metrics["grad_norm"]) and metrics["grad_norm"] > 0
+        moved = {n: (t.cpu() - before[n]).abs() for n, t in full_state_dict_iter(actor.model)}
+        experts = [d for n, d in moved.items() if ".experts." in n]
+        assert len(experts) == 4 and all((d.flatten(1).amax(1) > 5e-3).all() for d in experts)
+        assert all(d.max() > 5e-3 for n, d in moved.items() if n.endswith("mlp.gate.weight"))
+    finally:
+        dist.destroy_process_group()
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -30,7 +30,8 @@ def pack(named_tensors: list) -> bytes:
 class SharedWeightsReceiver:
     """Mixed into vLLM's worker class (`LLM(worker_extension_cls=...)`); reached through
     `LLM.collective_rpc("load_shared_weights", args=(pack(...),))` and
-    `LLM.collective_rpc("refresh_tied_output_layer")`; it also carries `reseed`, the one call into
+    `LLM.collective_rpc("refresh_tied_output_layer")` and `("repack_cpu_experts", …)`, the last two
+    for vLLM's CPU kernels; it also carries `reseed`, the one call into
     the worker that is not about weights."""
 
     def reseed(self, seed: int) -> None:
@@ -63,3 +64,25 @@ class SharedWeightsReceiver:
                                "lm_head with a quant_method to refresh after a weight push")
         method.process_weights_after_loading(head)
         return True
+
+    def repack_cpu_experts(self, blocks: list[str]) -> None:
+        """Redo the CPU kernel's packing of the routed experts in `blocks` (module names, e.g.
+        "model.layers.0.mlp") after a weight push that carried their weights. vLLM's CPU MoE kernel
+        computes from a copy of the expert weights packed into its own layout at load time; an in-place
+        reload writes the new weights in the checkpoint's layout and, for an engine already set up,
+        skips the packing (vLLM 0.32), so the experts would compute garbage. Packing only what the push
+        reached matters: a block it skipped keeps its packed weights, and packing those again would
+        scramble them. On a GPU the kernel reads the weights as loaded; the engine calls this on CPU only."""
+        model = self.model_runner.get_model()
+        packed = set()
+        for name, module in model.named_modules():
+            kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+            block = next((b for b in blocks if name.startswith(b + ".")), None)
+            if kernel is None or block is None:
+                continue
+            kernel.fused_experts.process_weights_after_loading(module)
+            packed.add(block)
+        if missed := sorted(set(blocks) - packed):
+            raise RuntimeError(f"a weight push carried the experts of {missed}, but {type(model).__name__} has no "
+                               "mixture-of-experts layer under those names to repack: the CPU engine would compute "
+                               "them from stale packed weights")

@@ -326,13 +326,22 @@ class VLLMEngine:
         In-process the pairs stream into the model: a gathered full parameter lives only while it
         is copied (materialising them all would hold a whole extra model on every GPU of a sharded
         actor). A core in another process takes them all at once, as one set of handles."""
-        named = ((name, tensor.detach()) for name, tensor in named_tensors)
+        moe_blocks: set[str] = set()   # the mixture-of-experts blocks whose experts this push carries
+
+        def named():
+            for name, tensor in named_tensors:
+                if ".experts." in name:   # fused (mlp.experts.gate_up_proj) or one per expert (mlp.experts.3.…)
+                    moe_blocks.add(name.partition(".experts.")[0])
+                yield name, tensor.detach()
+
         if self.in_process:
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named})
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named()})
         else:  # handles to the tensors' memory cross to the engine's process, not the tensors
-            self.llm.collective_rpc("load_shared_weights", args=(shared_weights.pack(list(named)),))
-        if self.on_cpu:  # only vLLM's CPU kernels keep a packed copy of a tied lm_head (see the receiver)
+            self.llm.collective_rpc("load_shared_weights", args=(shared_weights.pack(list(named())),))
+        if self.on_cpu:  # only vLLM's CPU kernels keep packed copies of weights (see the receiver)
             self.llm.collective_rpc("refresh_tied_output_layer")
+            if moe_blocks:
+                self.llm.collective_rpc("repack_cpu_experts", args=(sorted(moe_blocks),))
         # Cached prefixes hold keys/values computed by the old weights.
         self.llm.reset_prefix_cache()
 
