@@ -19,7 +19,7 @@ workers), one row per step and mode, for a comparison in one call. `--variant` d
 keys, e.g. full fine-tuning next to LoRA:
 
     python benchmarks/bench_grpo_step.py --shape 3b --variant full \
-        --variant lora actor_rollout_ref.model.lora_rank=64 actor_rollout_ref.model.lora_alpha=32
+        --variant "lora actor_rollout_ref.model.lora_rank=64 actor_rollout_ref.model.lora_alpha=32"
 
 `--gpu-gib 80` imitates a smaller GPU: a process of its own holds the rest of each GPU's memory for the
 whole call, so the trainer's memory plan and the engine see what an 80 GB GPU would leave them; the
@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -84,8 +85,9 @@ def main(argv=None):
                    help="a BERT-vocabulary tokenizer for --dense-rows' encoder")
     p.add_argument("--ahead", type=int, nargs="+", help="trainer.rollout_ahead_steps of each run, one run per "
                    "value in the same setting (0: synchronous); default: one run as the overrides say")
-    p.add_argument("--variant", nargs="+", action="append", metavar="NAME [KEY=VALUE ...]",
-                   help="one run per --variant in the same setting: its name, then the keys it adds to the overrides")
+    p.add_argument("--variant", action="append", metavar="'NAME [KEY=VALUE ...]'",
+                   help="one run per --variant in the same setting: one quoted argument, its name, then the keys it "
+                        "adds to the overrides (quoted, so that the overrides after it stay the overrides of every run)")
     p.add_argument("--gpu-gib", type=float, help="imitate GPUs of this many GiB (a process holds the rest)")
     p.add_argument("--rollout-gpus", type=int, default=0, help="runs ahead: GPUs of the rollout workers' own "
                    "(rollout.n_gpus_per_node) beside the --gpus of the training; 0: beside the policy workers")
@@ -160,7 +162,7 @@ def main(argv=None):
     # one run per variant (an --ahead value is one), in the same setting, against the same retrieval server
     variants = {f"ahead{k}": [f"trainer.rollout_ahead_steps={k}"]
                 + ([f"rollout.n_gpus_per_node={a.rollout_gpus}"] if k and a.rollout_gpus else []) for k in a.ahead or []}
-    variants |= {name: keys for name, *keys in a.variant or []}
+    variants |= {name: keys for name, *keys in map(shlex.split, a.variant or [])}
     variants = variants or {None: []}   # neither: one run, as the overrides say
     holder = hold_gpu_memory(a.gpus + a.rollout_gpus, a.gpu_gib, args) if a.gpu_gib else None
     t = time.perf_counter()
@@ -182,7 +184,7 @@ def main(argv=None):
     import torch
     device = torch.cuda.get_device_name() if gpu and torch.cuda.is_available() else "cpu"
     for name, run_dir in runs.items():
-        emit_rows(a, device, bias, name, run_dir)
+        emit_rows(a, device, bias, name, variants[name], run_dir)
     print(f"wall {time.perf_counter() - t:.0f} s")
 
 
@@ -208,15 +210,15 @@ def hold_gpu_memory(gpus: int, gib: float, args: list[str]) -> subprocess.Popen:
     return holder
 
 
-def emit_rows(a, device: str, bias: dict, variant: str | None, run_dir: Path) -> None:
-    """One row per step of the run in `run_dir` (`variant`: its name, None without one)."""
+def emit_rows(a, device: str, bias: dict, variant: str | None, keys: list[str], run_dir: Path) -> None:
+    """One row per step of the run in `run_dir` (`variant`: its name, None without one; `keys`: its own)."""
     rows = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
     for row in rows:
         phases = {k.removeprefix("timing_s/"): round(v, 3) for k, v in row.items() if k.startswith("timing_s/")}
         out = {"device": device, "shape": a.shape, "gpus": a.gpus, "prompts": a.prompts, "n": a.n,
                "mini_batches": a.mini_batches,
                "search_every": a.search_every, "tag_bias": bias or None, "overrides": a.overrides,
-               **({} if variant is None else {"variant": variant}),
+               **({} if variant is None else {"variant": variant, "variant_keys": keys}),
                **({} if a.gpu_gib is None else {"gpu_gib": a.gpu_gib}),
                **({"rollout_ahead_steps": int(variant.removeprefix("ahead")),
                    "rollout_gpus": a.rollout_gpus if variant != "ahead0" else 0} if a.ahead else {}),

@@ -29,7 +29,7 @@ def run(raw: DictConfig) -> None:
     from verl.core_algos import AdvEstimator
     from verl.single_controller.ray_group import LocalWorkerGroup, WorkerGroup, start_ray
     from verl.single_controller.rollout_group import RolloutGroup, rollout_placement
-    from verl.trainer.metrics import load_reward_fn, reward_kwargs_for
+    from verl.trainer.metrics import load_reward_fn, reward_kwargs_for, update_flops_per_token
     from verl.trainer.ppo_trainer import PPOTrainer
     from verl.utils.dataset import PromptSampler, load_examples
     from verl.utils.tracking import Tracker, check_backends
@@ -108,8 +108,9 @@ def run(raw: DictConfig) -> None:
     OmegaConf.save(raw, os.path.join(run_cfg.default_local_dir, "config.yaml"))
     tracker = Tracker(run_cfg.logger, run_cfg.default_local_dir, run_cfg.project_name,
                       run_cfg.experiment_name, OmegaConf.to_container(raw, resolve=True))
+    flops = update_flops_per_token(n_active, lora=cfg.actor_rollout_ref.model.lora_rank > 0)
     trainer = PPOTrainer(cfg, sizes, policy, critic, sampler, val, tracker, total_steps, device_name,
-                         n_active, rollout)
+                         flops, rollout)
     trainer.fit()
     if rollout is not None:
         rollout.shutdown(policy)

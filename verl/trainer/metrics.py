@@ -136,12 +136,19 @@ def active_param_count(model: torch.nn.Module) -> int:
     return total - experts + experts * per_token // n_experts
 
 
-def throughput_metrics(batch: RolloutBatch, seconds: dict, n_params: int | None, peak_flops: float | None,
+def update_flops_per_token(active_params: int, lora: bool) -> float:
+    """Model FLOPs of one token's forward and backward in the actor update (attention left out): 2 per
+    parameter a token runs through (`active_param_count`) forward, 2 for the gradient of the activations
+    and 2 for the gradient of the weights. With LoRA the base weights are frozen and get no gradient,
+    so 4 (the adapters' own FLOPs are a rounding error beside the base model's)."""
+    return (4 if lora else 6) * active_params
+
+
+def throughput_metrics(batch: RolloutBatch, seconds: dict, flops_per_token: float | None, peak_flops: float | None,
                        ppo_epochs: int, world: int, generated: int | None = None) -> dict:
     """Tokens per second of the rollout and the actor update, and the update's model FLOPs utilisation
-    (with the policy's parameters a token runs through, `active_param_count`, and the GPU's peak).
-    `generated`: the model tokens the rollout wrote, where it wrote more than the batch holds (groups
-    dropped by algorithm.filter_groups)."""
+    (with `update_flops_per_token` and the GPU's peak). `generated`: the model tokens the rollout wrote,
+    where it wrote more than the batch holds (groups dropped by algorithm.filter_groups)."""
     tokens = int(batch.attention_mask_BT.sum())
     if generated is None:
         generated = sum(s.model_tokens for s in batch.info["stats"])
@@ -149,9 +156,8 @@ def throughput_metrics(batch: RolloutBatch, seconds: dict, n_params: int | None,
     if "update_actor" not in seconds:  # a critic warm-up step
         return out
     out["throughput/train_tokens_per_s"] = tokens / max(seconds["update_actor"], 1e-9)
-    if peak_flops and n_params:
-        # forward+backward ≈ 6 FLOPs per parameter per token (attention left out)
-        out["throughput/mfu_actor_update"] = 6 * n_params * tokens * ppo_epochs / (
+    if peak_flops and flops_per_token:
+        out["throughput/mfu_actor_update"] = flops_per_token * tokens * ppo_epochs / (
             seconds["update_actor"] * peak_flops * world)
     return out
 

@@ -47,9 +47,9 @@ class ToolFailures(RuntimeError):
 class PPOTrainer:
     def __init__(self, cfg: TrainerConfig, sizes: Sizes, policy, critic, sampler: PromptSampler,
                  val_examples: list[Example] | None, tracker, total_steps: int, device_name: str,
-                 n_params: int | None = None, rollout=None):
-        """`n_params`: the policy's parameters a token runs through (`active_param_count`: a mixture of
-        experts counts only the experts it routes to), for the MFU estimate (None: no estimate); `rollout`:
+                 flops_per_token: float | None = None, rollout=None):
+        """`flops_per_token`: the actor update's model FLOPs a token (`update_flops_per_token`), for the
+        MFU estimate (None: no estimate); `rollout`:
         the rollout workers' group (trainer.rollout_ahead_steps >= 1), else None."""
         self.cfg, self.sizes, self.policy, self.critic = cfg, sizes, policy, critic
         self.generators = rollout or policy   # whose workers generate
@@ -67,7 +67,7 @@ class PPOTrainer:
                         if kl.type == "adaptive" else core_algos.FixedKLController(kl.kl_coef))
         self.use_reference = cfg.actor_rollout_ref.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
         self.peak_flops = next((v for k, v in PEAK_FLOPS.items() if k in device_name), None)
-        self.n_params = n_params
+        self.flops_per_token = flops_per_token
         self.out_dir = cfg.trainer.default_local_dir
         self.step = 0
         self.health = HealthWatch(cfg.trainer.health)
@@ -348,7 +348,7 @@ class PPOTrainer:
     def throughput(self, batch: RolloutBatch, seconds: dict, generated: int | None = None) -> dict:
         if self.ahead is not None:   # the rollout workers' time generating, not the step's wait for it
             seconds = seconds | {"rollout": self.ahead.generate_s}
-        return throughput_metrics(batch, seconds, self.n_params, self.peak_flops,
+        return throughput_metrics(batch, seconds, self.flops_per_token, self.peak_flops,
                                   self.cfg.actor_rollout_ref.actor.ppo_epochs, self.sizes.world, generated)
 
     # -- loop ----------------------------------------------------------------------------------

@@ -71,3 +71,19 @@ def test_the_mfu_counts_the_experts_a_token_runs_through_not_all_of_them():
     total = sum(p.numel() for p in moe.parameters())
     experts = 2 * 8 * 3 * 32 * 64   # layers × experts × (gate, up, down) × moe_intermediate × hidden
     assert active_param_count(moe) == total - experts + experts // 4
+
+
+def test_the_mfu_of_a_lora_update_counts_no_weight_gradients_of_the_frozen_base():
+    """Full fine-tuning: 6 FLOPs a parameter a token (forward, the activations' and the weights'
+    gradients); LoRA: 4, the frozen base weights get no gradient. The MFU follows."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from verl.trainer.metrics import throughput_metrics, update_flops_per_token
+    assert update_flops_per_token(1000, lora=False) == 6000 and update_flops_per_token(1000, lora=True) == 4000
+    batch = SimpleNamespace(attention_mask_BT=torch.ones(2, 50), info={"stats": []})
+    seconds = {"rollout": 1.0, "update_actor": 2.0}
+    mfu = {lora: throughput_metrics(batch, seconds, update_flops_per_token(10**9, lora), 1e15, 1, 1, generated=10)
+           ["throughput/mfu_actor_update"] for lora in (False, True)}
+    assert mfu[False] == pytest.approx(6e9 * 100 / 2e15) and mfu[True] == pytest.approx(mfu[False] * 2 / 3)
