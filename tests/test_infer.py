@@ -62,6 +62,7 @@ def test_start_hints_name_a_missing_server_and_the_untrained_model(tmp_path, mon
     assert "--model outputs/demo/run/hf_actor" in infer.start_hints(args)[1]
 
 
+@pytest.mark.e2e  # dense_server: a server process
 def test_no_hints_with_a_healthy_server_and_a_model(dense_server):
     args = infer.build_parser().parse_args(["--model", "m", "--retriever-url", dense_server.url + "/retrieve"])
     assert infer.start_hints(args) == []

@@ -58,6 +58,7 @@ def _sleeper(tmp_path, name: str) -> "smoke.Part":
                                          f"echo $! > {tmp_path / name}.pid; wait")])
 
 
+@pytest.mark.e2e  # waits out a part's time limit
 def test_a_part_past_its_time_fails_naming_its_last_log_line_and_leaves_nothing_running(tmp_path, capsys):
     ok = smoke.Part("quick", 1, [smoke.sh("bash", "-c", "echo fine")])
     results = smoke.run_all([_sleeper(tmp_path, "slow"), ok], gpu_count=1, lanes=1, out=tmp_path, timeout=3)

@@ -359,6 +359,7 @@ def run_chromium(chromium: str, tmp_path: Path, *flags: str, page: Path) -> str:
         check=True, timeout=60, capture_output=True, text=True).stdout
 
 
+@pytest.mark.e2e  # a Chromium process
 def test_renders_in_headless_chromium(run_dir, tmp_path):
     chromium = shutil.which("chromium") or shutil.which("chromium-browser")
     if chromium is None:

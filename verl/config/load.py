@@ -259,7 +259,7 @@ _HEALTH_SIGNS = {
     "max_kl": (lambda v: v > 0, "> 0 (the largest KL to the reference a healthy step shows)"),
     "val_drop": (lambda v: 0 < v < 1, "in (0, 1) (a drop of validation EM below its best)"),
     "no_action_rise": (lambda v: 0 < v < 1, "in (0, 1) (a rise of the share of trajectories that neither "
-                                            "searched nor answered)"),
+                                            "called a tool nor answered)"),
 }
 
 

@@ -69,8 +69,8 @@ class DataConfig:
     max_response_length: int = key(500, "tokens the model may generate per turn (the engine's max_tokens); with "
                                         "rollout.multi_turn.enable, as in verl: the whole response, every turn "
                                         "and tool message")
-    max_obs_length: int = key(500, "tokens per retrieved observation; longer ones are cut, keeping the closing "
-                                   "</information>")
+    max_obs_length: int = key(500, "tokens per tool observation (e.g. retrieved passages); longer ones are cut, "
+                                   "keeping the observation's closing tag")
     max_start_length: int | None = key(None, "the original's cap on the first prompt's tokens: accepted and unused "
                                              "(max_prompt_length caps prompts here)")
     shuffle_train_dataloader: bool = key(True, "training prompts in a new seeded order each epoch; false: file order")
@@ -158,7 +158,7 @@ class ActorConfig:
     use_kl_loss: bool = key(False, "KL to the reference as a loss term (GRPO style); loads the reference model")
     kl_loss_coef: float = key(0.001, "weight of the KL loss term (use_kl_loss)")
     kl_loss_type: str = key("low_var_kl", "KL estimator of the loss term: kl (k1) | abs | mse (k2) | low_var_kl (k3)")
-    state_masking: bool = key(True, "keep retrieved tokens (observations) out of the loss, entropy and KL; false: "
+    state_masking: bool = key(True, "keep tool observations (e.g. retrieved passages) out of the loss, entropy and KL; false: "
                                     "every response token counts")
     max_tokens_per_pack: int = key(16384, "tokens per padding-free forward where attention needs a mask (fp32, "
                                           "no varlen kernel): a micro-batch's sequences are packed into rows of at "

@@ -12,6 +12,7 @@ from verl.workers.rollout.agent_loop import PreflightError
 from conftest import free_port, vllm_skip_reason
 
 
+@pytest.mark.e2e  # dense_server: a server process
 def test_search_tool_answers_with_the_passages(dense_server):
     tool = SearchTool({"retrieval_service_url": dense_server.url + "/retrieve", "topk": 2})
     runner = ToolRunner({"search": tool})

@@ -524,6 +524,7 @@ def test_work_nobody_waits_for_is_not_searched(real_retriever):
         server.stop()
 
 
+@pytest.mark.e2e  # a server under load, in real time
 def test_work_that_would_expire_in_the_queue_is_refused_at_once(real_retriever):
     """Admission by expected wait: once the server has measured how fast it answers, a request whose
     X-Timeout-S the queue ahead of it would outlast gets 503 with Retry-After at once, instead of
@@ -550,6 +551,7 @@ def test_work_that_would_expire_in_the_queue_is_refused_at_once(real_retriever):
         server.stop()
 
 
+@pytest.mark.e2e  # a server under load, in real time
 def test_slow_clients_cannot_hold_connections(real_retriever):
     """Slowloris: connections that drip their headers are closed after header_timeout_s, a body that
     does not arrive in body_timeout_s gets 408, and the server answers others meanwhile."""
@@ -615,6 +617,7 @@ def wait_for_pending(server, n, limit_s=10):
         time.sleep(0.01)
 
 
+@pytest.mark.e2e  # a server under load, in real time
 @pytest.mark.parametrize("pipeline", [True, False], ids=["pipelined", "one-thread"])
 def test_a_request_behind_a_queue_it_cannot_outwait_is_refused_at_once_from_the_first_burst(
         real_retriever, pipeline):
@@ -638,6 +641,7 @@ def test_a_request_behind_a_queue_it_cannot_outwait_is_refused_at_once_from_the_
         server.stop()
 
 
+@pytest.mark.e2e  # a server under load, in real time
 @pytest.mark.parametrize("pipeline", [True, False], ids=["pipelined", "one-thread"])
 def test_the_rate_admission_judges_by_is_the_rate_queries_are_answered(real_retriever, pipeline):
     """Pipelined, the encoder's release of a batch restarted the clock the lookup thread measured
@@ -659,6 +663,7 @@ def test_the_rate_admission_judges_by_is_the_rate_queries_are_answered(real_retr
         server.stop()
 
 
+@pytest.mark.e2e  # a server under load, in real time
 @pytest.mark.parametrize("pipeline", [True, False], ids=["pipelined", "one-thread"])
 def test_a_timeout_storm_spends_the_work_on_clients_still_waiting(real_retriever, pipeline):
     """Clients that give up after X-Timeout-S and ask again at once, more than the server can
@@ -694,6 +699,7 @@ def test_a_timeout_storm_spends_the_work_on_clients_still_waiting(real_retriever
         server.stop()
 
 
+@pytest.mark.e2e  # a server under load, in real time
 def test_each_busy_answer_says_which_limit_refused_it(real_retriever):
     """A full queue and a wait the queue would outlast are different troubles (raise --max_pending,
     or wait longer / go elsewhere): one text served both."""

@@ -289,6 +289,7 @@ def test_runner_keeps_num_workers_and_rate_limit():
     runner.close()
 
 
+@pytest.mark.e2e  # a Ray instance
 def test_rate_limit_is_shared_by_the_workers_of_a_node():
     """Two runners (two rollout workers) under one Ray instance take tokens from one bucket actor."""
     import ray
