@@ -35,7 +35,8 @@ def test_quick(script, tmp_path, bundled_bm25_server):
     if script == "bench_grpo_step.py":
         args += ["--mini-batches", "2"]   # the original's recipe: two optimizer steps a training step
     if script == "bench_rollout.py":  # vLLM's engine core in a process of its own, its steps recorded
-        # (against the session's BM25 server: encoding the corpus for the script's own MiniLM index is most of its start)
+        # (against the session's BM25 server: encoding the corpus for the script's own MiniLM index
+        # is most of its start)
         args += ["--retriever-url", f"{bundled_bm25_server.url}/retrieve",
                  "--engine-core", "separate", "--baseline-repeats", "2", "--core-stats",
                  "--timeline", str(tmp_path / "timeline.jsonl")]

@@ -158,8 +158,8 @@ class ActorConfig:
     use_kl_loss: bool = key(False, "KL to the reference as a loss term (GRPO style); loads the reference model")
     kl_loss_coef: float = key(0.001, "weight of the KL loss term (use_kl_loss)")
     kl_loss_type: str = key("low_var_kl", "KL estimator of the loss term: kl (k1) | abs | mse (k2) | low_var_kl (k3)")
-    state_masking: bool = key(True, "keep tool observations (e.g. retrieved passages) out of the loss, entropy and KL; false: "
-                                    "every response token counts")
+    state_masking: bool = key(True, "keep tool observations (e.g. retrieved passages) out of the loss, entropy "
+                                    "and KL; false: every response token counts")
     max_tokens_per_pack: int = key(16384, "tokens per padding-free forward where attention needs a mask (fp32, "
                                           "no varlen kernel): a micro-batch's sequences are packed into rows of at "
                                           "most this many (actor, reference and critic). On a GPU in bf16 a "
