@@ -164,10 +164,11 @@ def main(argv=None):
                 + ([f"rollout.n_gpus_per_node={a.rollout_gpus}"] if k and a.rollout_gpus else []) for k in a.ahead or []}
     variants |= {name: keys for name, *keys in map(shlex.split, a.variant or [])}
     variants = variants or {None: []}   # neither: one run, as the overrides say
-    holder = hold_gpu_memory(a.gpus + a.rollout_gpus, a.gpu_gib, args) if a.gpu_gib else None
     t = time.perf_counter()
-    runs = {}
+    runs, holder = {}, None
     try:
+        if a.gpu_gib:
+            holder = hold_gpu_memory(a.gpus + a.rollout_gpus, a.gpu_gib, args)
         for name, keys in variants.items():
             run_dir = work / f"run_{a.shape}{'' if name is None else f'_{name}'}_{int(time.time())}"
             r = subprocess.run([sys.executable, "-m", "verl.trainer.main_ppo", *args, *keys,
@@ -199,7 +200,7 @@ def hold_gpu_memory(gpus: int, gib: float, args: list[str]) -> subprocess.Popen:
     key = "actor_rollout_ref.rollout.gpu_memory_utilization="
     i = max(i for i, arg in enumerate(args) if arg.startswith(key))   # the last one given wins, as in Hydra
     args[i] = f"{key}{float(args[i].removeprefix(key)) * gib / total:.4f}"
-    code = ("import sys, time, torch\n"
+    code = ("import time, torch\n"
             f"held = [torch.empty(int(({total} - {gib}) * 2**30), dtype=torch.uint8, device=f'cuda:{{i}}') "
             f"for i in range({gpus})]\n"
             "print('held', flush=True)\ntime.sleep(1e9)\n")
