@@ -24,9 +24,10 @@ of every run that may go at once (`0,0,1,1`: two runs on each of GPUs 0 and 1); 
 free slot, in the order given. Runs that share a GPU keep their engine awake while they train
 (`rollout.enable_sleep=false`: vLLM's sleep fails when another process allocates on the GPU
 meanwhile) and get a KV cache of fixed size (`--kv-gib`: sized from free memory, it came out empty
-for runs starting together), their evaluations too; they slow each other down: compare variants at
-equal steps, not equal minutes. A run that runs out of GPU memory beside others starts over once a
-neighbour has finished, and its GPU takes one run fewer from then on (twice at most a run).
+for runs starting together), their evaluations too, and fixed token budgets for their updates and
+log-prob passes; they slow each other down: compare variants at equal steps, not equal minutes. A
+run that runs out of GPU memory beside others starts over once a neighbour has finished, and its GPU
+takes one run fewer from then on (twice at most a run).
 SIGTERM (e.g. from `timeout`) or Ctrl-C ends every run with its processes and still writes the table,
 results.json and compare.html from what the runs wrote.
 After training, each final model is evaluated greedily on every test question, with EM per
@@ -60,6 +61,7 @@ sys.path.insert(0, str(ROOT))
 
 from search_r1.demo import MAX_OBS, MAX_TURNS, PRESETS, build_index, grpo_overrides, start_server  # noqa: E402
 
+SHARED_UPDATE_TOKENS = 8192   # tokens per update micro-batch of a run that shares its GPU
 MAX_RETRIES = 2   # times a run that ran out of GPU memory beside other runs is started again
 
 
@@ -207,6 +209,11 @@ def train_keys(v: Variant, model: Path, data: dict, url: str, run_dir: Path, min
         # engine failed its check that memory was freed. So: a fixed KV cache, never asleep.
         keys += ["actor_rollout_ref.rollout.enable_sleep=false",
                  f"actor_rollout_ref.rollout.engine_kwargs={{kv_cache_memory_bytes:{int(kv_gib * 2**30)}}}"]
+        # Token budgets measured at start-up would take the neighbours' free memory for this run's own:
+        # fixed ones instead, a few GiB of activations for this model size
+        keys += [f"actor_rollout_ref.actor.ppo_max_token_len_per_gpu={SHARED_UPDATE_TOKENS}",
+                 f"actor_rollout_ref.ref.log_prob_max_token_len_per_gpu={2 * SHARED_UPDATE_TOKENS}",
+                 f"actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu={2 * SHARED_UPDATE_TOKENS}"]
     return merged(keys, v.overrides)
 
 

@@ -63,6 +63,10 @@ SHAPES = {
     "3b": Shape(Architecture.LLAMA, 2048, 36, 16, 2, 11008),
     "7b": Shape(Architecture.LLAMA, 3584, 28, 28, 4, 18944, tie_word_embeddings=False),
     "qwen3-4b": Shape(Architecture.QWEN3, 2560, 36, 32, 8, 9728, head_dim=128),
+    # the GPU smoke's Qwen3-MoE step: every piece of the 30B-A3B (q/k norms, routed experts) at a size that
+    # starts in seconds
+    "qwen3-moe-small": Shape(Architecture.QWEN3_MOE, 512, 4, 8, 4, 1024, head_dim=64, tie_word_embeddings=False,
+                             moe_intermediate_size=256, num_experts=8, num_experts_per_tok=2),
     "qwen3-30b-a3b": Shape(Architecture.QWEN3_MOE, 2048, 48, 32, 4, 6144, head_dim=128, tie_word_embeddings=False,
                            moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8),
 }

@@ -137,6 +137,16 @@ def parts(out: Path, gpu_count: int, tokenizer: str) -> list[Part]:
                                  "actor_rollout_ref.actor.optim.lr=1e-4")],
              lambda: expect_rows(out / "grpo_lora.jsonl", 2)
              or expect_in_log(out / "grpo-lora.log", "served as a vLLM LoRA adapter")),
+        # Qwen3-MoE through main_ppo: the engine's log-probs are logged beside the trainer's, so a push that
+        # left any expert stale or misplaced shows as a gap between the two after the first update
+        Part("grpo-qwen3-moe", 1, [sh(PY, ROOT / "benchmarks" / "bench_grpo_step.py", "--shape", "qwen3-moe-small",
+                                      "--steps", 2, "--prompts", 8, "--n", 4, "--max-turns", 2, "--search-every", 100,
+                                      "--workdir", out / "grpo_qwen3_moe", "--out", out / "grpo_qwen3_moe.jsonl",
+                                      "actor_rollout_ref.rollout.calculate_log_probs=true",
+                                      # a step large enough that stale expert weights would show
+                                      "actor_rollout_ref.actor.optim.lr=1e-2")],
+             lambda: expect_rows(out / "grpo_qwen3_moe.jsonl", 2)
+             or expect_engine_matches_trainer(out / "grpo_qwen3_moe.jsonl")),
         Part("dense-server", 1, [
             sh(PY, "-m", "search_r1.cli", "index", "build", "--corpus_path", corpus, "--out", dense,
                "--retriever_model", enc),
@@ -168,6 +178,15 @@ def expect_ahead(path: Path, n: int) -> str | None:
         return error
     staleness = [json.loads(line).get("rollout/staleness") for line in path.read_text().splitlines()]
     return None if staleness == [0] + [1] * (n - 1) else f"rollout/staleness per step {staleness}, expected 0, then 1"
+
+def expect_engine_matches_trainer(path: Path, max_kl: float = 0.05) -> str | None:
+    """After the first push the engine samples from the weights the trainer scores with: the k3 estimate
+    of KL(engine || trainer) over the sampled tokens stays at the level of bf16 rounding."""
+    kl = json.loads(path.read_text().splitlines()[-1]).get("rollout_is_kl")
+    if kl is None:
+        return f"no rollout_is_kl in the last row of {path}"
+    return None if kl < max_kl else f"KL(engine || trainer) {kl:.4f} after a push, expected < {max_kl}"
+
 
 def expect_in_log(log: Path, text: str) -> str | None:
     return None if text in log.read_text() else f"{log} does not say {text!r}"

@@ -27,7 +27,7 @@ def test_the_variants_keys_replace_the_presets_once():
     assert keys == ["a=2", "b=x=y", "c=3", "d=4"]   # Hydra refuses a key given twice
 
 
-def test_runs_sharing_a_gpu_get_a_fixed_kv_cache_and_an_engine_that_never_sleeps():
+def test_runs_sharing_a_gpu_get_a_fixed_kv_cache_fixed_token_budgets_and_an_engine_that_never_sleeps():
     from hydra import compose, initialize_config_dir
     from verl.config.load import load_config
     from verl.trainer.main_ppo import accept_plus_on_existing_keys   # the original's keys, as main_ppo reads them
@@ -38,8 +38,11 @@ def test_runs_sharing_a_gpu_get_a_fixed_kv_cache_and_an_engine_that_never_sleeps
         for shared in (False, True):
             keys = train_keys(v, Path("model"), data, "http://127.0.0.1:1/retrieve", Path("run"), 1.0, 0.12,
                               shared=shared, kv_gib=2)
-            rollout = load_config(compose("ppo_trainer", overrides=accept_plus_on_existing_keys(keys))
-                                  ).actor_rollout_ref.rollout
+            config = load_config(compose("ppo_trainer", overrides=accept_plus_on_existing_keys(keys))).actor_rollout_ref
+            rollout = config.rollout
+            assert config.actor.ppo_max_token_len_per_gpu == (8192 if shared else None)
+            assert config.ref.log_prob_max_token_len_per_gpu == rollout.log_prob_max_token_len_per_gpu == (
+                16384 if shared else None)
             assert rollout.gpu_memory_utilization == 0.12 and "retriever.topk=1" in keys
             assert rollout.enable_sleep is not shared
             assert rollout.engine_kwargs == ({"kv_cache_memory_bytes": 2 << 30} if shared else None)
