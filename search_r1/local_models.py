@@ -287,6 +287,8 @@ def write_random_model(out_dir: str | os.PathLike, config, tokenizer_from: str |
     if len(shards) > 1:
         (tmp / "model.safetensors.index.json").write_text(json.dumps(
             {"metadata": {"total_size": total_bytes}, "weight_map": dict(sorted(weight_map.items()))}, indent=2))
+    # vLLM picks its model class by this name; without it a Qwen3-MoE came up as a model that cannot generate
+    config.architectures = [type(model).__name__]
     config.save_pretrained(tmp)
     # Only token ids: vLLM takes sampling defaults from this file, and we want none.
     GenerationConfig(bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id,
