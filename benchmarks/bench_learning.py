@@ -59,6 +59,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from search_r1.compat import trainer_env  # noqa: E402
 from search_r1.demo import MAX_OBS, MAX_TURNS, PRESETS, build_index, grpo_overrides, start_server  # noqa: E402
 
 SHARED_UPDATE_TOKENS = 8192   # tokens per update micro-batch of a run that shares its GPU
@@ -169,7 +170,7 @@ def raise_stopped(signum, frame):
 
 
 def gpu_env(gpu: str) -> dict:
-    return os.environ | {"CUDA_VISIBLE_DEVICES": gpu}
+    return trainer_env() | {"CUDA_VISIBLE_DEVICES": gpu}   # the trainer reads the demo's keys, the original's
 
 
 def prepare_data(out: Path, template: str, types: str) -> dict[str, Path]:

@@ -16,7 +16,10 @@ VERL_COMPAT=search_r1.compat:ORIGINAL_SEARCH_R1 in a checkout used without insta
 """
 from __future__ import annotations
 
-from verl.config.compat import CompatTable, IgnoredKey, MovedKey, OneValueKey
+import os
+from collections.abc import Mapping
+
+from verl.config.compat import ENV_VAR, CompatTable, IgnoredKey, MovedKey, OneValueKey
 
 SEARCH_LOOP = "search_r1.agent.loop:SearchAgentLoop"
 OPTIONS = "actor_rollout_ref.rollout.agent_kwargs"
@@ -56,3 +59,16 @@ ORIGINAL_SEARCH_R1 = CompatTable(
     inactive_why="the tool-calling loop's search tool takes its server and top-k from "
                  "multi_turn.tool_config_path",
 )
+
+
+TABLE_SPEC = f"{__name__}:ORIGINAL_SEARCH_R1"
+
+
+def trainer_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """`env` (default: this process's) for a trainer that this package's own tools launch with the
+    original's keys (the demo, the learning benchmark): VERL_COMPAT names this table too, so that a
+    checkout used without installing it, which has no entry point, reads them all the same."""
+    env = dict(os.environ if env is None else env)
+    specs = [s.strip() for s in env.get(ENV_VAR, "").split(",") if s.strip()]
+    env[ENV_VAR] = ",".join(dict.fromkeys([*specs, TABLE_SPEC]))
+    return env

@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+from search_r1.compat import trainer_env
 from search_r1.demo.presets import Preset, eval_args
 from search_r1.demo.progress import StepWatch, say
 
@@ -30,7 +31,7 @@ def run(cmd: list, log: Path | None, watch: StepWatch | None = None, every_s: fl
         out.flush()
     proc = None
     try:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT if out else None)
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT if out else None, env=trainer_env())
         last = time.time()
         while True:
             try:

@@ -177,3 +177,17 @@ def test_a_bad_reward_kwarg_stops_the_start_naming_the_key(override, message, tm
     with pytest.raises(ConfigError, match=message):
         run(raw)
     assert not (tmp_path / "run").exists()
+
+
+def test_the_packages_own_launchers_name_the_table_for_a_checkout_that_was_not_installed(monkeypatch):
+    """The demo and the learning benchmark launch the trainer with the original's keys; without an
+    installed entry point the trainer finds the table through VERL_COMPAT, which they set, once, beside
+    what the user's environment names."""
+    from search_r1.compat import ORIGINAL_SEARCH_R1, TABLE_SPEC, trainer_env
+    from verl.config import compat
+    assert trainer_env({})["VERL_COMPAT"] == TABLE_SPEC
+    assert trainer_env({"VERL_COMPAT": f"mine.compat:T, {TABLE_SPEC}", "A": "1"}) == {
+        "VERL_COMPAT": f"mine.compat:T,{TABLE_SPEC}", "A": "1"}
+    monkeypatch.setattr(compat.importlib.metadata, "entry_points", lambda group: [])
+    monkeypatch.setattr(compat.os, "environ", trainer_env({}))
+    assert compat.compat_tables() == [ORIGINAL_SEARCH_R1]

@@ -34,9 +34,10 @@ def qwen3_dir(request, thinking_tokenizer_dir, tmp_path) -> str:
                                                    num_experts_per_tok=2))
     else:
         model = Qwen3ForCausalLM(Qwen3Config(**shape))
-    model.to(torch.bfloat16).save_pretrained(tmp_path)
-    tok.save_pretrained(tmp_path)
-    return str(tmp_path)
+    out = tmp_path / request.param
+    model.to(torch.bfloat16).save_pretrained(out)
+    tok.save_pretrained(out)
+    return str(out)
 
 
 def test_vllm_on_a_gpu_scores_as_the_trainer_after_a_push_of_updated_qwen3_weights(qwen3_dir):
@@ -55,15 +56,27 @@ def test_vllm_on_a_gpu_scores_as_the_trainer_after_a_push_of_updated_qwen3_weigh
                             kv_cache_memory_bytes=1 << 30)   # fixed: the GPU may be shared with other work
         prompts = [list(range(100, 116)), list(range(300, 309)), list(range(700, 740))]
         greedy = SamplingConfig(temperature=0, max_tokens=16, logprobs=True)
+
+        def error_after_push(leave_out: str | None) -> tuple[torch.Tensor, list[list[int]]]:
+            """The engine's log-probs of its greedy tokens against the actor's after a push of every
+            weight whose name does not contain `leave_out`."""
+            engine.load_weights((n, t) for n, t in full_state_dict_iter(actor.model, dtype=engine.dtype)
+                                if leave_out is None or leave_out not in n)
+            generations = engine.generate(prompts, greedy, stop=[])
+            responses = [g.token_ids for g in generations]
+            scored = pack_trajectories(prompts, responses, [[1] * len(r) for r in responses], [0, 1, 2], pad_id=0)
+            trainer_BR = actor.compute_logprobs(scored)
+            return torch.cat([(torch.tensor(g.logprobs) - trainer_BR[i, :len(g.token_ids)]).abs()
+                              for i, g in enumerate(generations)]), responses
+
         before = [g.token_ids for g in engine.generate(prompts, greedy, stop=[])]
-        engine.load_weights(full_state_dict_iter(actor.model, dtype=engine.dtype))
-        generations = engine.generate(prompts, greedy, stop=[])
-        responses = [g.token_ids for g in generations]
+        if qwen3_dir.endswith("moe"):
+            # the check can tell: with the experts left at their loaded values the error is far above the
+            # bound below (vLLM may even log the pushed experts as not loaded; what it computes decides)
+            stale_N, _ = error_after_push(".experts.")
+            assert stale_N.mean() > 0.1, stale_N.mean()
+        err_N, responses = error_after_push(None)
         assert responses != before   # the updated policy, not the weights it was loaded with
-        scored = pack_trajectories(prompts, responses, [[1] * len(r) for r in responses], [0, 1, 2], pad_id=0)
-        trainer_BR = actor.compute_logprobs(scored)
-        err_N = torch.cat([(torch.tensor(g.logprobs) - trainer_BR[i, :len(g.token_ids)]).abs()
-                           for i, g in enumerate(generations)])
         # both compute in bf16 with different kernels: a few hundredths of a nat on average; a token whose
         # router scores nearly tie may take another expert in one of them, hence the looser largest error
         assert err_N.mean() < 0.05 and err_N.max() < 1.0, (err_N.mean(), err_N.max())
