@@ -135,6 +135,7 @@ def main(argv=None) -> int:
             start = out / "sft_model"
             run([sys.executable, "-m", "search_r1.cli", "sft", "--model", model, "--out", start,
                  "--bundled", size.sft_questions, "--retriever-url", url, "--epochs", size.sft_epochs,
+                 "--batch-size", size.sft_batch,
                  "--micro-batch-size", min(size.micro_batch, 8),  # 8: sft's own default
                  "--max-obs-length", MAX_OBS, "--protocol", a.protocol], log("sft"),
                 StepWatch("SFT", start / "sft_metrics.jsonl", sft_steps(size)))

@@ -28,6 +28,7 @@ class Preset:
     # before and after GRPO already measure the same questions with the same settings
     test_freq: int = -1
     micro_batch: int = 4          # trajectories per forward/backward in SFT and GRPO
+    sft_batch: int = 16           # trajectories per SFT optimizer step
     ram_gb: int = 16              # memory the largest stage may take, said up front
     disk_gb: int = 4              # what the run writes: model copies, index, checkpoint
     sft: bool = True              # False: GRPO starts from the bundled model itself
@@ -44,9 +45,13 @@ class Preset:
 
 
 PRESETS = {
-    # 2 CPU cores: 64 tokens per turn is enough for the gold format (~40) and keeps decoding cheap.
-    "cpu": Preset(eval_questions=30, sft_questions=64, sft_epochs=2, grpo_steps=3, grpo_prompts=4, grpo_n=4,
-                   lr=5e-6, response_length=64),
+    # 2 CPU cores, where an SFT or GRPO step costs in proportion to the trajectories it runs through.
+    # 64 tokens per turn are enough for the gold format (~40) and keep decoding cheap. SFT batches of 8:
+    # what the warm start learns follows its optimizer steps more than its questions, so small batches
+    # give it the steps at a fraction of the trajectories. GRPO: two steps of two groups, enough to run
+    # the RL path (a weight push between them), not to move EM (benchmarks/RESULTS.md, "The demo").
+    "cpu": Preset(eval_questions=30, sft_questions=40, sft_epochs=2, grpo_steps=2, grpo_prompts=2, grpo_n=4,
+                   lr=5e-6, response_length=64, sft_batch=8),
     "small": Preset(eval_questions=2, sft_questions=8, sft_epochs=1, grpo_steps=1, grpo_prompts=2, grpo_n=2,
                     lr=5e-6, response_length=64),
     # One GPU, ~10 minutes of GRPO, on the order of 100 steps of 160 trajectories
@@ -93,10 +98,10 @@ def eval_args(model: Path, data: Path, url: str, out: Path, size: Preset, protoc
             "--enforce-eager"]  # a 135M model over a few hundred questions: start-up dominates
 
 
-def sft_steps(size: Preset, batch: int = 16) -> int:
-    """Optimizer steps of the SFT stage (`search-r1 sft`'s batch of 16 trajectories); questions whose
-    evidence is not retrieved are dropped, so this is an upper bound."""
-    return size.sft_epochs * math.ceil(size.sft_questions / batch)
+def sft_steps(size: Preset) -> int:
+    """Optimizer steps of the SFT stage; questions whose evidence is not retrieved are dropped, so
+    this is an upper bound."""
+    return size.sft_epochs * math.ceil(size.sft_questions / size.sft_batch)
 
 
 def agent_overrides(size: Preset, url: str, tool_config: Path | None) -> list[str]:
