@@ -246,6 +246,7 @@ def write_random_model(out_dir: str | os.PathLike, config, tokenizer_from: str |
     from tqdm import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
     from transformers.core_model_loading import revert_weight_conversion
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
     from safetensors.torch import save_file
 
     out = Path(out_dir)
@@ -255,6 +256,9 @@ def write_random_model(out_dir: str | os.PathLike, config, tokenizer_from: str |
     config.vocab_size = len(tokenizer)
     config.bos_token_id, config.eos_token_id = tokenizer.bos_token_id, tokenizer.eos_token_id
     config.pad_token_id = tokenizer.pad_token_id
+    # vLLM picks its model class by this name; without it a Qwen3-MoE came up as a model that cannot
+    # generate. Set before the spec below, so that a directory written without it is written again.
+    config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]]
     dtype = config.dtype if isinstance(config.dtype, torch.dtype) else getattr(torch, config.dtype or "float32")
     vocab = hashlib.sha256(json.dumps(sorted(tokenizer.get_vocab().items())).encode()).hexdigest()
     spec = json.dumps(dict(vocab=vocab, config=config.to_diff_dict(), init_std=init_std, seed=seed), sort_keys=True,
@@ -287,8 +291,6 @@ def write_random_model(out_dir: str | os.PathLike, config, tokenizer_from: str |
     if len(shards) > 1:
         (tmp / "model.safetensors.index.json").write_text(json.dumps(
             {"metadata": {"total_size": total_bytes}, "weight_map": dict(sorted(weight_map.items()))}, indent=2))
-    # vLLM picks its model class by this name; without it a Qwen3-MoE came up as a model that cannot generate
-    config.architectures = [type(model).__name__]
     config.save_pretrained(tmp)
     # Only token ids: vLLM takes sampling defaults from this file, and we want none.
     GenerationConfig(bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id,

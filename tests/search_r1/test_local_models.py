@@ -115,8 +115,8 @@ def test_the_smollm2_tokenizer_is_read_from_the_gguf_file_once_then_from_the_cac
 
 def test_a_random_model_is_written_shard_by_shard_in_the_checkpoint_layout_and_loads(tiny_model_dir, tmp_path):
     """write_random_model: a Qwen3-MoE config in bf16 over three shards (an index naming every tensor,
-    one tensor per expert as save_pretrained writes them) that transformers loads with nothing missing;
-    the same seed gives the same weights."""
+    one tensor per expert as save_pretrained writes them), its architecture named in config.json, that
+    transformers loads with nothing missing; the same seed gives the same weights."""
     import torch
     from safetensors.torch import load_file
     from transformers import Qwen3MoeConfig
@@ -137,6 +137,7 @@ def test_a_random_model_is_written_shard_by_shard_in_the_checkpoint_layout_and_l
     assert "model.layers.1.mlp.experts.3.down_proj.weight" in index and "lm_head.weight" in index
     model, info = AutoModelForCausalLM.from_pretrained(first, output_loading_info=True)
     assert not any(info.values()) and model.dtype == torch.bfloat16
+    assert model.config.architectures == ["Qwen3MoeForCausalLM"]   # what vLLM picks its model class by
     assert model.config.vocab_size == len(AutoTokenizer.from_pretrained(tiny_model_dir))
     assert model.model.layers[0].mlp.experts.gate_up_proj.float().std().item() == pytest.approx(0.02, rel=0.1)
 
