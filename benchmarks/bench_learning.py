@@ -170,7 +170,7 @@ def raise_stopped(signum, frame):
 
 
 def gpu_env(gpu: str) -> dict:
-    return trainer_env() | {"CUDA_VISIBLE_DEVICES": gpu}   # the trainer reads the demo's keys, the original's
+    return trainer_env() | {"CUDA_VISIBLE_DEVICES": gpu}   # the demo's keys include the original's (max_turns)
 
 
 def prepare_data(out: Path, template: str, types: str) -> dict[str, Path]:
