@@ -147,7 +147,7 @@ def test_summary_says_what_a_cpu_grpo_stage_can_show():
               {"stage": "after GRPO", "em": 0.6, "questions": 30}]
     cpu = summary(stages, PRESETS["cpu"], cpu_preset=True)
     assert cpu.startswith("EM before 0.000 → after SFT 0.667 → after GRPO 0.600 on 30 test questions")
-    assert "smoke run of the RL path (2 steps of 8 trajectories)" in cpu and "--preset gpu" in cpu
+    assert "smoke run of the RL path (2 steps of 4 trajectories)" in cpu and "--preset gpu" in cpu
     assert "smoke run" not in summary(stages, PRESETS["gpu"], cpu_preset=False)
     rl = summary([stages[0], stages[2]], PRESETS["rl-only"], cpu_preset=False)
     assert rl == "EM before 0.000 → after GRPO 0.600 on 30 test questions (no SFT: reinforcement learning alone)"

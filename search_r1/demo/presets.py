@@ -48,9 +48,10 @@ PRESETS = {
     # 2 CPU cores, where an SFT or GRPO step costs in proportion to the trajectories it runs through.
     # 64 tokens per turn are enough for the gold format (~40) and keep decoding cheap. SFT batches of 8:
     # what the warm start learns follows its optimizer steps more than its questions, so small batches
-    # give it the steps at a fraction of the trajectories. GRPO: two steps of two groups, enough to run
-    # the RL path (a weight push between them), not to move EM (benchmarks/RESULTS.md, "The demo").
-    "cpu": Preset(eval_questions=30, sft_questions=40, sft_epochs=2, grpo_steps=2, grpo_prompts=2, grpo_n=4,
+    # give it the steps at a fraction of the trajectories. GRPO: two steps of one group of 4, enough to
+    # run the RL path (a weight push between them), not to move EM. 24 evaluated questions: each of the
+    # three evaluations costs in proportion (benchmarks/RESULTS.md, "The demo").
+    "cpu": Preset(eval_questions=24, sft_questions=40, sft_epochs=2, grpo_steps=2, grpo_prompts=1, grpo_n=4,
                    lr=5e-6, response_length=64, sft_batch=8),
     "small": Preset(eval_questions=2, sft_questions=8, sft_epochs=1, grpo_steps=1, grpo_prompts=2, grpo_n=2,
                     lr=5e-6, response_length=64),
