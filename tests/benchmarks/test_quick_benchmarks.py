@@ -12,7 +12,8 @@ pytestmark = pytest.mark.e2e
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = ["bench_dense_search.py", "bench_corpus.py", "bench_server.py", "bench_cpu_indexes.py",
-           "bench_grpo_step.py", "bench_actor_update.py", "bench_rollout.py", "bench_encoder.py"]
+           "bench_grpo_step.py", "bench_actor_update.py", "bench_rollout.py", "bench_encoder.py",
+           "bench_lora_rounding.py"]
 
 
 def _rounding(num_s: float, den_s: float) -> float:
@@ -22,7 +23,7 @@ def _rounding(num_s: float, den_s: float) -> float:
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
-def test_quick(script, tmp_path, bundled_bm25_server):
+def test_quick(script, tmp_path, bundled_bm25_server, request):
     if not (ROOT / "benchmarks" / script).exists():
         pytest.fail(f"benchmarks/{script} is missing")
     out = tmp_path / "out.jsonl"
@@ -30,6 +31,8 @@ def test_quick(script, tmp_path, bundled_bm25_server):
     if script in ("bench_corpus.py", "bench_server.py", "bench_grpo_step.py", "bench_actor_update.py",
                   "bench_rollout.py", "bench_encoder.py"):
         args += ["--workdir", str(tmp_path / "work")]
+    if script == "bench_lora_rounding.py":   # the session's SmolLM2, converted once
+        args += ["--model", request.getfixturevalue("smollm2_dir")]
     if script == "bench_server.py":
         args += ["--devices", "cpu,cpu"]  # the vectors sharded in two, as over several GPUs
     if script == "bench_grpo_step.py":
@@ -92,6 +95,14 @@ def test_quick(script, tmp_path, bundled_bm25_server):
         assert [row["batch"] for row in rows] == [1, 8]
         assert all(row["queries_per_s"] > 0 and row["padded_length"] > 0 for row in rows)
         assert all(row["dim"] == 64 and row["layers"] == 2 for row in rows)  # --quick's small random encoder
+    if script == "bench_lora_rounding.py":  # --quick: t = 1 and 1000 optimizer steps of lr 1e-5, SmolLM2
+        early, late = rows
+        assert (early["t"], late["t"]) == (1, 1000)
+        # the adapter reaches the engine whole; the merged push rounds a first step's update away and
+        # keeps nearly all of a thousand steps' (a push that cast before adding would keep none)
+        assert all(row["update_kept_adapter"] > 0.99 and row["kl_trainer_adapter"] < 1e-6 for row in rows)
+        assert early["update_kept_merged"] < 0.05 and late["update_kept_merged"] > 0.9
+        assert late["kl_trainer_merged"] < 0.1 * late["kl_trainer_base"]
 
 
 def check_rollout_rows(rows, timeline_path):
