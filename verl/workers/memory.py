@@ -19,9 +19,12 @@ every role is built and the rollout engine sleeps:
   third more compute per layer, and beyond that size a larger micro-batch buys little.
 - A run whose longest row does not fit even with every layer recomputed stops here, at start-up,
   with the figures and the keys to change.
-- The first real update checks the measurement: where its peak went past what the plan allowed (real
-  rows costing more a token than the synthetic ones), the update's budget shrinks to the cost it
-  measured (`correct`), with a warning.
+- The first real update checks the measurement: where the peak of its forward/backward passes went
+  past what the plan allowed (real rows costing more a token than the synthetic ones), the update's
+  budget shrinks to the cost it measured (`correct`), with a warning. The peak counts from what was
+  held when the plan was made, the frame of the probes' line, and stops before the first optimizer
+  step: that step's memory (AdamW's moments, allocated there on the first update) was planned apart
+  as pending, and no budget of tokens would change it.
 
 On the CPU nothing is probed: budgets are CPU_TOKENS and every layer is recomputed (as before).
 """
@@ -114,12 +117,14 @@ class Plan:
     notes: list[str]                # the arithmetic, for the trainer's log
     update_line: Line | None = None  # what the update's budget was measured from (for `correct`)
     update_available: float = 0.0
+    update_held: float = 0.0         # bytes allocated when `update_available` was measured
 
 
 def correct(budget: int, line: Line, available: float, observed: float, tokens: int) -> int:
-    """The update's budget after a real update: `observed` bytes above what was held before it, for a
-    largest micro-batch of `tokens`. The probes see synthetic rows; if the real rows cost more a
-    token, the budget shrinks to what the measured cost allows (all ranks take the smallest)."""
+    """The update's budget after a real update: `observed` bytes at the peak of its passes above what
+    was held when the plan was made, for a largest micro-batch of `tokens`. The probes see synthetic
+    rows; if the real rows cost more a token, the budget shrinks to what the measured cost allows (all
+    ranks take the smallest)."""
     if observed <= available or tokens <= 0:
         return int(all_reduce_scalar(budget, dist.ReduceOp.MIN))
     per_token = max(line.per_token, (observed - line.fixed) / tokens)
@@ -144,9 +149,10 @@ def plan(model, update_probe: Callable[[int], None] | None, forward_probe: Calla
     the update's and the forward's budgets and of the ratio, for messages. Every rank gets the same
     plan: the smallest budgets and the most recomputed layers of any rank."""
     longest_row = int(all_reduce_scalar(longest_row, dist.ReduceOp.MAX))
-    notes, update_line, update_avail = [], None, 0.0
+    notes, update_line, update_avail, update_held = [], None, 0.0, 0.0
     if choose_recompute or measure_update:
         avail = available_bytes(pending_update)
+        held = torch.cuda.memory_allocated()
         if choose_recompute:
             layers = len(decoder_layers(model))
             recompute_layers(model, 0)
@@ -169,7 +175,7 @@ def plan(model, update_probe: Callable[[int], None] | None, forward_probe: Calla
                      f"pending - headroom), {line.fixed / GIB:.1f} GiB fixed, {how}: {fits} tokens fit")
         if measure_update:
             update_tokens = min(fits, MAX_TOKENS)
-            update_line, update_avail = line, avail
+            update_line, update_avail, update_held = line, avail, held
             notes.append(f"{role} update: {update_tokens} tokens per micro-batch ({keys['update']})")
         if fits < longest_row or (update_tokens is not None and update_tokens < longest_row):
             raise RuntimeError(
@@ -193,7 +199,7 @@ def plan(model, update_probe: Callable[[int], None] | None, forward_probe: Calla
     torch.cuda.empty_cache()
     for note in notes:
         log.info(note)
-    return Plan(update_tokens, forward_tokens, notes, update_line, update_avail)
+    return Plan(update_tokens, forward_tokens, notes, update_line, update_avail, update_held)
 
 
 def synthetic_batch(tokens: int, vocab_size: int) -> RolloutBatch:

@@ -243,7 +243,7 @@ class TrainedModel:
         self.state_masking = state_masking
         self.seed = seed
 
-    _measured = None   # (Line, available bytes) of a budget measured at start-up, until the first update
+    _measured = None   # the Plan of a budget measured at start-up, until the first update
 
     def plan_memory(self, longest_row: int, others_pending: float = 0.0) -> list[str]:
         """Measure the token budgets left null and choose the recomputed layers (verl.workers.memory),
@@ -265,21 +265,21 @@ class TrainedModel:
         torch.cuda.empty_cache()
         self.budgets = TokenBudgets(plan.update_tokens if b.update or b.measure_update else None,
                                     plan.forward_tokens if b.forward or b.measure_forward else None)
-        self._measured = (plan.update_line, plan.update_available) if plan.update_line else None
+        self._measured = plan if plan.update_line else None
         return plan.notes
 
-    def _check_measured_budget(self, held_before: float, largest_micro: int) -> None:
-        """After the first update with a measured budget: shrink it if the update's peak went past
-        what the plan allowed (verl.workers.memory.correct), with a warning."""
+    def _check_measured_budget(self, passes_peak: float, largest_micro: int) -> None:
+        """After the first update with a measured budget: shrink it if the peak of its passes
+        (`passes_peak` bytes allocated, up to the first optimizer step) went past what the plan allowed
+        (verl.workers.memory.correct), with a warning."""
         from verl.workers.memory import GIB, correct
-        line, available = self._measured
-        self._measured = None
-        observed = torch.cuda.max_memory_allocated() - held_before
-        budget = correct(self.budgets.update, line, available, observed, largest_micro)
+        plan, self._measured = self._measured, None
+        observed = passes_peak - plan.update_held
+        budget = correct(self.budgets.update, plan.update_line, plan.update_available, observed, largest_micro)
         if budget >= self.budgets.update:
             return
         note = (f"{self.role} update: {observed / GIB:.1f} GiB for micro-batches of up to {largest_micro} tokens, more "
-                f"than the {available / GIB:.1f} GiB planned: {budget} tokens per micro-batch from now on")
+                f"than the {plan.update_available / GIB:.1f} GiB planned: {budget} tokens per micro-batch from now on")
         logger.warning(note)
         self.budgets = dataclasses.replace(self.budgets, update=budget)
     def pending_bytes(self) -> float:
@@ -333,7 +333,7 @@ class TrainedModel:
         checking = self._measured is not None and torch.cuda.is_available()
         if checking:
             torch.cuda.reset_peak_memory_stats()
-            held_before = torch.cuda.memory_allocated()
+        passes_peak = None   # while checking: (peak bytes, largest micro-batch) of the passes before the first step
         self.model.train()
         sums: dict[str, float] = {}
         n_micro, grad_norms, largest_micro = 0, [], 0
@@ -353,10 +353,12 @@ class TrainedModel:
                     for k, v in stats.items():
                         sums[k] = sums.get(k, 0.0) + v
                     n_micro += 1
+                if checking and passes_peak is None:
+                    passes_peak = (torch.cuda.max_memory_allocated(), largest_micro)
                 grad_norms.append(self._optimizer_step())
         self.scheduler.step()
-        if checking:
-            self._check_measured_budget(held_before, largest_micro)
+        if checking and passes_peak is not None:
+            self._check_measured_budget(*passes_peak)
         if self.optimizer_offload:
             move_optimizer_state(self.optimizer, torch.device("cpu"))
         metrics = {k: v / max(1, n_micro) for k, v in sums.items()}
