@@ -121,8 +121,12 @@ def test_the_defaults_measure_a_token_budget_and_update_within_it(model_dir):
     assert max(PROMPT_LENS) + max(RESPONSE_LENS) <= budgets.update <= MAX_TOKENS
     assert budgets.forward >= budgets.update   # no activations kept for backward
     assert not any(layer.gradient_checkpointing for layer in decoder_layers(actor.model))
+    planned = budgets.update
     metrics = actor.update(batch, mini_batch_size=8)
     assert math.isfinite(metrics["grad_norm"]) and metrics["grad_norm"] > 0
+    # the first update checked its passes against the plan (not the AdamW state its step allocated):
+    # within it, the budget stands
+    assert actor._measured is None and actor.budgets.update == planned
 
 
 def test_a_qwen3_moe_trains_with_the_one_gpu_defaults(tmp_path):
