@@ -64,13 +64,16 @@ class Line:
         return max(0, int((available - self.fixed) / max(self.per_token, 1.0)))
 
 
-def measure(probe: Callable[[int], None], sizes=PROBE_TOKENS) -> Line:
+def measure(probe: Callable[[int], None], sizes=PROBE_TOKENS, held: float | None = None) -> Line:
     """Run `probe(tokens)` at each size and fit the peak memory above what is held between passes.
     A first, unmeasured run takes what happens once (torch.compile's compilation and autotuning) and
     leaves what every pass keeps (gradients: the update's probes zero them in place), which joins the
     fixed part. Without that, the peak of a small probe falls at the end of its backward, where the
-    gradients outweigh the activations, and the fit's slope comes out too low."""
-    before = torch.cuda.memory_allocated()
+    gradients outweigh the activations, and the fit's slope comes out too low. `held`: the bytes
+    allocated when the memory available was measured (default: now). What the probes keep counts from
+    there, so that a second line, measured while the first one's gradients are still held, counts
+    them too."""
+    before = torch.cuda.memory_allocated() if held is None else held
     probe(sizes[0])
     kept = torch.cuda.memory_allocated() - before
     peaks = []
@@ -156,9 +159,9 @@ def plan(model, update_probe: Callable[[int], None] | None, forward_probe: Calla
         if choose_recompute:
             layers = len(decoder_layers(model))
             recompute_layers(model, 0)
-            none = measure(update_probe)
+            none = measure(update_probe, held=held)
             recompute_layers(model, layers)
-            full = measure(update_probe)
+            full = measure(update_probe, held=held)
             target = update_tokens or min(max(TARGET_TOKENS, longest_row), MAX_TOKENS)
             chosen = next((k for k in range(layers + 1) if _between(none, full, k, layers).tokens(avail) >= target),
                           layers)
@@ -168,7 +171,7 @@ def plan(model, update_probe: Callable[[int], None] | None, forward_probe: Calla
             how = (f"{none.per_token / 2**20:.2f} MiB a token with no layer recomputed, {full.per_token / 2**20:.2f} "
                    f"with all {layers}: {chosen} recomputed ({keys['ratio']})")
         else:
-            line = measure(update_probe)
+            line = measure(update_probe, held=held)
             how = f"{line.per_token / 2**20:.2f} MiB a token"
         fits = int(all_reduce_scalar(line.tokens(avail), dist.ReduceOp.MIN))   # every rank decides alike
         notes.append(f"{role} update: {avail / GIB:.1f} GiB available (free + cached - {pending_update / GIB:.1f} GiB "
