@@ -41,7 +41,9 @@ def passages(n: int) -> list[str]:
 
 @torch.no_grad()
 def log_probs(model, weights: dict[str, torch.Tensor], batch) -> torch.Tensor:
-    model.load_state_dict(weights, strict=False)
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    if unexpected or set(missing) - {"lm_head.weight"}:   # a tied output layer is the embedding itself
+        raise RuntimeError(f"weights that do not match the model: {unexpected or missing}")
     return model(**batch).logits.float().log_softmax(-1)
 
 
