@@ -91,7 +91,7 @@ def main(argv=None) -> int:
                 layer.lora_B["default"].weight.copy_(signs[name] * t * a.lr)
         exact = dict(merged_state_dict_iter(trained))                         # what the trainer computes
         merged = {n: w.float() for n, w in merged_state_dict_iter(trained, dtype=torch.bfloat16)}
-        adapter = {n: w.bfloat16().float() for n, w in base.items()}          # the engine's bf16 base ...
+        adapter = dict(base)                                                  # the engine's bf16 base ...
         dots = {"merged": 0.0, "adapter": 0.0}
         update_sq = weight_sq = 0.0
         for name, layer in layers.items():
@@ -100,9 +100,8 @@ def main(argv=None) -> int:
             b_OR = layer.lora_B["default"].weight.bfloat16().float()
             adapter[w] = adapter[w] + layer.scaling["default"] * (b_OR @ a_RI)   # ... and bf16 B and A beside it
             update = exact[w] - base[w]
-            before = base[w].bfloat16().float()                               # what either engine held at t = 0
-            for side, weights in (("merged", merged), ("adapter", adapter)):
-                dots[side] += ((weights[w] - before) * update).sum().item()
+            for side, weights in (("merged", merged), ("adapter", adapter)):   # base: either engine at t = 0
+                dots[side] += ((weights[w] - base[w]) * update).sum().item()
             update_sq += (update * update).sum().item()
             weight_sq += (base[w] * base[w]).sum().item()
         lp_exact = log_probs(engine, exact, batch)
