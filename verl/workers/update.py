@@ -282,6 +282,7 @@ class TrainedModel:
                 f"than the {plan.update_available / GIB:.1f} GiB planned: {budget} tokens per micro-batch from now on")
         logger.warning(note)
         self.budgets = dataclasses.replace(self.budgets, update=budget)
+
     def pending_bytes(self) -> float:
         """GPU memory this role will allocate during a step beyond what it holds now (its optimizer
         state before the first step, or while offloaded)."""
